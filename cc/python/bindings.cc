@@ -1,0 +1,363 @@
+// tf_memguard._core: the Python face of the core's C interface.
+//
+// Glue only: converts types, releases the GIL around pool calls, and turns statuses into
+// Python exceptions carrying the core's message. The public API is plain Python on top
+// (tf_memguard/__init__.py).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "cc/tfmg/c_api.h"
+
+namespace py = pybind11;
+
+namespace {
+
+PyObject* g_out_of_budget = nullptr;   // MemoryError
+PyObject* g_pool_error = nullptr;      // RuntimeError: wrong state
+PyObject* g_unknown_pointer = nullptr; // ValueError
+PyObject* g_double_free = nullptr;     // ValueError
+
+[[noreturn]] void raise(tfmg_status status, const std::string& message) {
+  PyObject* type = PyExc_RuntimeError;
+  switch (status) {
+    case TFMG_ERROR_INVALID_ARGUMENT: type = PyExc_ValueError; break;
+    case TFMG_ERROR_OUT_OF_MEMORY: type = g_out_of_budget; break;
+    case TFMG_ERROR_UNKNOWN_POINTER: type = g_unknown_pointer; break;
+    case TFMG_ERROR_DOUBLE_FREE: type = g_double_free; break;
+    case TFMG_ERROR_UPSTREAM: type = PyExc_MemoryError; break;
+    default: type = g_pool_error; break;
+  }
+  PyErr_SetString(type, message.c_str());
+  throw py::error_already_set();
+}
+
+// Runs a core call without the GIL and raises on failure. The message is read on the
+// same thread, right after the call, as tfmg_last_error() is per thread.
+template <class F>
+void call(F&& f) {
+  tfmg_status s;
+  std::string message;
+  {
+    py::gil_scoped_release release;
+    s = f();
+    if (s != TFMG_OK) message = tfmg_last_error();
+  }
+  if (s != TFMG_OK) raise(s, message);
+}
+
+uint64_t to_u64(const py::handle& value, const char* name, bool saturate) {
+  if (!py::isinstance<py::int_>(value) || py::isinstance<py::bool_>(value)) {
+    throw py::value_error(std::string(name) + "=" + py::repr(value).cast<std::string>() +
+                          ": must be an int");
+  }
+  py::int_ v = py::reinterpret_borrow<py::int_>(value);
+  if (v < py::int_(0)) {
+    throw py::value_error(std::string(name) + "=" + py::repr(value).cast<std::string>() +
+                          ": must not be negative");
+  }
+  if (v > py::int_(std::numeric_limits<uint64_t>::max())) {
+    if (saturate) return std::numeric_limits<uint64_t>::max();
+    throw py::value_error(std::string(name) + "=" + py::repr(value).cast<std::string>() +
+                          ": larger than 2**64 - 1");
+  }
+  return v.cast<uint64_t>();
+}
+
+py::dict stats_dict(const tfmg_stats& s) {
+  py::dict d;
+  d["num_allocs"] = s.num_allocs;
+  d["bytes_in_use"] = s.bytes_in_use;
+  d["peak_bytes_in_use"] = s.peak_bytes_in_use;
+  d["largest_alloc_size"] = s.largest_alloc_size;
+  d["bytes_limit"] = s.bytes_limit;
+  d["bytes_reserved"] = s.bytes_reserved;
+  d["peak_bytes_reserved"] = s.peak_bytes_reserved;
+  d["largest_free_block_bytes"] = s.largest_free_block_bytes;
+  d["num_frees"] = s.num_frees;
+  d["num_refusals"] = s.num_refusals;
+  d["window_peak_bytes_in_use"] = s.window_peak_bytes_in_use;
+  d["bytes_free"] = s.bytes_free;
+  d["largest_allocatable_bytes"] = s.largest_allocatable_bytes;
+  d["num_regions"] = s.num_regions;
+  d["passthrough_bytes_in_use"] = s.passthrough_bytes_in_use;
+  d["overshoot_bytes_in_use"] = s.overshoot_bytes_in_use;
+  d["peak_overshoot_bytes"] = s.peak_overshoot_bytes;
+  d["num_overshoots"] = s.num_overshoots;
+  d["fragmentation"] = s.fragmentation;
+  return d;
+}
+
+py::dict refusal_dict(const tfmg_refusal& r) {
+  py::dict d;
+  d["sequence"] = r.sequence;
+  d["requested_bytes"] = r.requested_bytes;
+  d["alignment"] = r.alignment;
+  d["bytes_in_use"] = r.bytes_in_use;
+  d["bytes_reserved"] = r.bytes_reserved;
+  d["largest_free_block_bytes"] = r.largest_free_block_bytes;
+  d["largest_allocatable_bytes"] = r.largest_allocatable_bytes;
+  d["bytes_limit"] = r.bytes_limit;
+  return d;
+}
+
+// Owns a tfmg_pool created by this module.
+class Pool {
+ public:
+  Pool(const py::object& max_bytes, const py::object& alignment, const py::object& region_bytes,
+       const py::object& small_threshold, const py::object& trace_capacity) {
+    tfmg_pool_options o;
+    tfmg_pool_options_init(&o);
+    o.max_bytes = to_u64(max_bytes, "max_bytes", false);
+    o.alignment = to_u64(alignment, "alignment", false);
+    o.region_bytes = to_u64(region_bytes, "region_bytes", true);
+    o.small_threshold = to_u64(small_threshold, "small_threshold", false);
+    o.trace_capacity = to_u64(trace_capacity, "trace_capacity", false);
+    call([&] { return tfmg_pool_create(&o, &pool_); });
+  }
+  ~Pool() {
+    if (pool_ != nullptr) tfmg_pool_destroy(pool_, 1);
+  }
+
+  tfmg_pool* get() const {
+    if (pool_ == nullptr) {
+      PyErr_SetString(g_pool_error, "the pool is closed: create a new Pool");
+      throw py::error_already_set();
+    }
+    return pool_;
+  }
+
+  uintptr_t allocate(const py::object& nbytes, const py::object& alignment, bool must_succeed) {
+    const uint64_t n = to_u64(nbytes, "nbytes", true);
+    const uint64_t a = to_u64(alignment, "alignment", false);
+    tfmg_pool* p = get();
+    void* out = nullptr;
+    call([&] {
+      return tfmg_pool_allocate(p, n, a, must_succeed ? TFMG_ALLOC_MUST_SUCCEED : 0, &out);
+    });
+    return reinterpret_cast<uintptr_t>(out);
+  }
+
+  uint64_t free(const py::object& address) {
+    void* ptr = reinterpret_cast<void*>(static_cast<uintptr_t>(to_u64(address, "address", false)));
+    tfmg_pool* p = get();
+    uint64_t size = 0;
+    call([&] { return tfmg_pool_deallocate(p, ptr, &size); });
+    return size;
+  }
+
+  uint64_t block_size(const py::object& address) {
+    const void* ptr =
+        reinterpret_cast<const void*>(static_cast<uintptr_t>(to_u64(address, "address", false)));
+    tfmg_pool* p = get();
+    uint64_t size = 0;
+    call([&] { return tfmg_pool_block_size(p, ptr, &size); });
+    return size;
+  }
+
+  void set_limit(const py::object& max_bytes) {
+    const uint64_t n = to_u64(max_bytes, "max_bytes", false);
+    tfmg_pool* p = get();
+    call([&] { return tfmg_pool_set_limit(p, n); });
+  }
+
+  py::dict stats() {
+    tfmg_pool* p = get();
+    tfmg_stats s{};
+    call([&] { return tfmg_pool_get_stats(p, &s); });
+    return stats_dict(s);
+  }
+
+  void clear_stats() {
+    tfmg_pool* p = get();
+    call([&] { return tfmg_pool_clear_stats(p); });
+  }
+
+  void reset_peak() {
+    tfmg_pool* p = get();
+    call([&] { return tfmg_pool_reset_peak(p); });
+  }
+
+  py::object last_refusal() {
+    tfmg_pool* p = get();
+    tfmg_refusal r{};
+    tfmg_status s;
+    {
+      py::gil_scoped_release release;
+      s = tfmg_pool_last_refusal(p, &r);
+    }
+    if (s != TFMG_OK) return py::none();
+    return refusal_dict(r);
+  }
+
+  uint64_t release_unused() {
+    tfmg_pool* p = get();
+    uint64_t n = 0;
+    call([&] { return tfmg_pool_release_unused(p, &n); });
+    return n;
+  }
+
+  py::dict trace() {
+    tfmg_pool* p = get();
+    uint64_t total = 0, dropped = 0;
+    std::vector<tfmg_trace_event> events;
+    call([&] {
+      tfmg_status s = tfmg_pool_trace(p, nullptr, 0, &total, nullptr);
+      if (s != TFMG_OK) return s;
+      events.resize(total);
+      return tfmg_pool_trace(p, events.data(), total, &total, &dropped);
+    });
+    events.resize(total);
+    static const char* const ops[] = {"alloc", "free", "refuse", "overshoot"};
+    py::list list;
+    for (const auto& e : events) {
+      py::dict d;
+      d["sequence"] = e.sequence;
+      d["op"] = e.op < 4 ? ops[e.op] : "?";
+      d["region"] = e.region;
+      d["size"] = e.size;
+      d["offset"] = e.offset;
+      d["address"] = e.address;
+      list.append(d);
+    }
+    py::dict out;
+    out["events"] = list;
+    out["dropped"] = dropped;
+    return out;
+  }
+
+  void trace_clear() {
+    tfmg_pool* p = get();
+    call([&] { return tfmg_pool_trace_clear(p); });
+  }
+
+  bool check() {
+    tfmg_pool* p = get();
+    call([&] { return tfmg_pool_check(p); });
+    return true;
+  }
+
+  std::string describe() {
+    tfmg_pool* p = get();
+    char buf[512];
+    tfmg_pool_describe(p, buf, sizeof buf);
+    return buf;
+  }
+
+  void close(bool force) {
+    if (pool_ == nullptr) return;
+    call([&] { return tfmg_pool_destroy(pool_, force ? 1 : 0); });
+    pool_ = nullptr;
+  }
+
+ private:
+  tfmg_pool* pool_ = nullptr;
+};
+
+std::vector<tfmg_replay_op> to_ops(py::array_t<uint64_t, py::array::c_style | py::array::forcecast> sizes,
+                                   py::array_t<uint32_t, py::array::c_style | py::array::forcecast> slots,
+                                   py::array_t<uint32_t, py::array::c_style | py::array::forcecast> is_free) {
+  if (sizes.ndim() != 1 || slots.ndim() != 1 || is_free.ndim() != 1 ||
+      sizes.shape(0) != slots.shape(0) || sizes.shape(0) != is_free.shape(0)) {
+    throw py::value_error("sizes, slots and is_free must be 1-D arrays of one length");
+  }
+  std::vector<tfmg_replay_op> ops(static_cast<std::size_t>(sizes.shape(0)));
+  auto s = sizes.unchecked<1>();
+  auto l = slots.unchecked<1>();
+  auto f = is_free.unchecked<1>();
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    ops[i].size = s(i);
+    ops[i].slot = l(i);
+    ops[i].is_free = f(i);
+  }
+  return ops;
+}
+
+py::dict result_dict(const tfmg_replay_result& r) {
+  py::dict d;
+  d["elapsed_ns"] = r.elapsed_ns;
+  d["completed"] = r.completed;
+  d["failed_at"] = r.failed_at == UINT64_MAX ? py::object(py::none()) : py::int_(r.failed_at);
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "tf_memguard's native core: the budget pool (private; use tf_memguard).";
+  if (tfmg_abi_version() != TFMG_ABI_VERSION) {
+    throw std::runtime_error("libtfmg_core.so has ABI version " + std::to_string(tfmg_abi_version()) +
+                             ", this module was built for " + std::to_string(TFMG_ABI_VERSION) +
+                             ": reinstall tf_memguard so both come from one build");
+  }
+  g_out_of_budget = PyErr_NewExceptionWithDoc(
+      "tf_memguard._core.OutOfBudgetError",
+      "A request the budget cannot serve. The pool is unchanged and usable.", PyExc_MemoryError,
+      nullptr);
+  g_pool_error = PyErr_NewExceptionWithDoc("tf_memguard._core.PoolError",
+                                           "A pool call made in a state that does not allow it.",
+                                           PyExc_RuntimeError, nullptr);
+  g_unknown_pointer = PyErr_NewExceptionWithDoc(
+      "tf_memguard._core.UnknownPointerError", "A free of an address the pool did not hand out.",
+      PyExc_ValueError, nullptr);
+  g_double_free = PyErr_NewExceptionWithDoc("tf_memguard._core.DoubleFreeError",
+                                            "A free of a block that is already free.",
+                                            PyExc_ValueError, nullptr);
+  m.attr("OutOfBudgetError") = py::handle(g_out_of_budget);
+  m.attr("PoolError") = py::handle(g_pool_error);
+  m.attr("UnknownPointerError") = py::handle(g_unknown_pointer);
+  m.attr("DoubleFreeError") = py::handle(g_double_free);
+  m.attr("ABI_VERSION") = TFMG_ABI_VERSION;
+
+  py::class_<Pool>(m, "Pool")
+      .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&,
+                    const py::object&>(),
+           py::arg("max_bytes") = 0, py::arg("alignment") = 0, py::arg("region_bytes") = 0,
+           py::arg("small_threshold") = 0, py::arg("trace_capacity") = 0)
+      .def("allocate", &Pool::allocate, py::arg("nbytes"), py::arg("alignment") = 0,
+           py::arg("must_succeed") = false)
+      .def("free", &Pool::free, py::arg("address"))
+      .def("block_size", &Pool::block_size, py::arg("address"))
+      .def("set_limit", &Pool::set_limit, py::arg("max_bytes"))
+      .def("stats", &Pool::stats)
+      .def("clear_stats", &Pool::clear_stats)
+      .def("reset_peak", &Pool::reset_peak)
+      .def("last_refusal", &Pool::last_refusal)
+      .def("release_unused", &Pool::release_unused)
+      .def("trace", &Pool::trace)
+      .def("trace_clear", &Pool::trace_clear)
+      .def("check", &Pool::check)
+      .def("describe", &Pool::describe)
+      .def("close", &Pool::close, py::arg("force") = false);
+
+  m.def(
+      "replay_pool",
+      [](Pool& pool, py::array_t<uint64_t, py::array::c_style | py::array::forcecast> sizes,
+         py::array_t<uint32_t, py::array::c_style | py::array::forcecast> slots,
+         py::array_t<uint32_t, py::array::c_style | py::array::forcecast> is_free, uint64_t nslots) {
+        auto ops = to_ops(sizes, slots, is_free);
+        tfmg_pool* p = pool.get();
+        tfmg_replay_result r{};
+        call([&] { return tfmg_replay_pool(p, ops.data(), ops.size(), nslots, &r); });
+        return result_dict(r);
+      },
+      py::arg("pool"), py::arg("sizes"), py::arg("slots"), py::arg("is_free"), py::arg("nslots"));
+  m.def(
+      "replay_system",
+      [](py::array_t<uint64_t, py::array::c_style | py::array::forcecast> sizes,
+         py::array_t<uint32_t, py::array::c_style | py::array::forcecast> slots,
+         py::array_t<uint32_t, py::array::c_style | py::array::forcecast> is_free, uint64_t nslots,
+         uint64_t alignment) {
+        auto ops = to_ops(sizes, slots, is_free);
+        tfmg_replay_result r{};
+        call([&] { return tfmg_replay_system(ops.data(), ops.size(), nslots, alignment, &r); });
+        return result_dict(r);
+      },
+      py::arg("sizes"), py::arg("slots"), py::arg("is_free"), py::arg("nslots"),
+      py::arg("alignment") = 64);
+}

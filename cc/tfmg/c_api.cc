@@ -1,0 +1,208 @@
+// The C interface over tfmg::pool: argument checks, status codes, per-thread messages.
+#include "cc/tfmg/c_api.h"
+
+#include <cstring>
+#include <limits>
+#include <new>
+#include <string>
+
+#include "cc/tfmg/pool.h"
+
+struct tfmg_pool {
+  explicit tfmg_pool(std::unique_ptr<tfmg::upstream> up, const tfmg::pool_config& config)
+      : impl(std::move(up), config) {}
+  tfmg::pool impl;
+};
+
+namespace {
+
+thread_local std::string last_error;
+
+tfmg_status fail(tfmg_status status, std::string message) {
+  last_error = std::move(message);
+  return status;
+}
+
+tfmg_status fail(const tfmg::pool_error& e) { return fail(e.status, e.message); }
+
+#define TFMG_EXPECT_POOL(p)                                                          \
+  do {                                                                               \
+    if ((p) == nullptr) return fail(TFMG_ERROR_INVALID_ARGUMENT, "pool is null");    \
+  } while (0)
+
+bool is_pow2(std::uint64_t x) { return x != 0 && (x & (x - 1)) == 0; }
+
+}  // namespace
+
+extern "C" {
+
+int tfmg_abi_version(void) { return TFMG_ABI_VERSION; }
+
+const char* tfmg_status_string(tfmg_status status) {
+  switch (status) {
+    case TFMG_OK: return "ok";
+    case TFMG_ERROR_INVALID_ARGUMENT: return "invalid argument";
+    case TFMG_ERROR_OUT_OF_MEMORY: return "out of memory";
+    case TFMG_ERROR_UNKNOWN_POINTER: return "unknown pointer";
+    case TFMG_ERROR_DOUBLE_FREE: return "double free";
+    case TFMG_ERROR_UPSTREAM: return "upstream failure";
+    case TFMG_ERROR_INVALID_STATE: return "invalid state";
+  }
+  return "unknown status";
+}
+
+const char* tfmg_last_error(void) { return last_error.c_str(); }
+
+void tfmg_pool_options_init(tfmg_pool_options* o) {
+  if (o == nullptr) return;
+  std::memset(o, 0, sizeof *o);
+  o->upstream = TFMG_UPSTREAM_HOST;
+}
+
+tfmg_status tfmg_pool_create(const tfmg_pool_options* o, tfmg_pool** out) {
+  if (o == nullptr || out == nullptr) return fail(TFMG_ERROR_INVALID_ARGUMENT, "options and out must not be null");
+  if (o->upstream != TFMG_UPSTREAM_HOST) {
+    return fail(TFMG_ERROR_INVALID_ARGUMENT,
+                "upstream=" + std::to_string(o->upstream) + ": only the host upstream (0) exists");
+  }
+  if (o->alignment != 0 && (!is_pow2(o->alignment) || o->alignment > (1u << 20))) {
+    return fail(TFMG_ERROR_INVALID_ARGUMENT, "alignment=" + std::to_string(o->alignment) +
+                                                 ": must be 0 (default) or a power of two up to 1 MiB");
+  }
+  tfmg::pool_config c;
+  c.max_bytes = o->max_bytes;
+  c.alignment = o->alignment;
+  if (o->region_bytes != 0) c.region_bytes = o->region_bytes;
+  if (o->small_threshold != 0) c.small_threshold = o->small_threshold;
+  c.trace_capacity = o->trace_capacity;
+  try {
+    *out = new tfmg_pool(tfmg::make_host_upstream(), c);
+  } catch (const std::bad_alloc&) {
+    return fail(TFMG_ERROR_OUT_OF_MEMORY, "no memory to create the pool");
+  }
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_pool_destroy(tfmg_pool* p, int force) {
+  if (p == nullptr) return TFMG_OK;
+  const std::size_t in_use = p->impl.in_use_blocks();
+  if (in_use != 0 && !force) {
+    return fail(TFMG_ERROR_INVALID_STATE,
+                std::to_string(in_use) + " block(s) still in use (" + p->impl.describe() +
+                    "): free them first, or destroy with force to release their memory too");
+  }
+  delete p;
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_pool_allocate(tfmg_pool* p, uint64_t bytes, uint64_t alignment, uint32_t flags,
+                               void** out) {
+  TFMG_EXPECT_POOL(p);
+  if (out == nullptr) return fail(TFMG_ERROR_INVALID_ARGUMENT, "out must not be null");
+  *out = nullptr;
+  tfmg::pool_error e{};
+  try {
+    void* ptr = p->impl.allocate(bytes, alignment, flags, &e);
+    if (ptr == nullptr) return fail(e);
+    *out = ptr;
+  } catch (const std::bad_alloc&) {
+    return fail(TFMG_ERROR_OUT_OF_MEMORY, "no host memory for the pool's own bookkeeping");
+  }
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_pool_deallocate(tfmg_pool* p, void* ptr, uint64_t* size_out) {
+  TFMG_EXPECT_POOL(p);
+  tfmg::pool_error e{};
+  std::size_t size = 0;
+  if (!p->impl.deallocate(ptr, &size, &e)) return fail(e);
+  if (size_out != nullptr) *size_out = size;
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_pool_block_size(tfmg_pool* p, const void* ptr, uint64_t* out) {
+  TFMG_EXPECT_POOL(p);
+  std::size_t size = 0;
+  if (!p->impl.block_size(ptr, &size)) {
+    return fail(TFMG_ERROR_UNKNOWN_POINTER, "not a block in use in this pool");
+  }
+  if (out != nullptr) *out = size;
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_pool_set_limit(tfmg_pool* p, uint64_t max_bytes) {
+  TFMG_EXPECT_POOL(p);
+  tfmg::pool_error e{};
+  return p->impl.set_limit(max_bytes, &e) ? TFMG_OK : fail(e);
+}
+
+tfmg_status tfmg_pool_get_stats(tfmg_pool* p, tfmg_stats* out) {
+  TFMG_EXPECT_POOL(p);
+  if (out == nullptr) return fail(TFMG_ERROR_INVALID_ARGUMENT, "out must not be null");
+  *out = p->impl.stats();
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_pool_clear_stats(tfmg_pool* p) {
+  TFMG_EXPECT_POOL(p);
+  p->impl.clear_stats();
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_pool_reset_peak(tfmg_pool* p) {
+  TFMG_EXPECT_POOL(p);
+  p->impl.reset_peak();
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_pool_last_refusal(tfmg_pool* p, tfmg_refusal* out) {
+  TFMG_EXPECT_POOL(p);
+  if (out == nullptr) return fail(TFMG_ERROR_INVALID_ARGUMENT, "out must not be null");
+  if (!p->impl.last_refusal(out)) return fail(TFMG_ERROR_INVALID_STATE, "no request has been refused");
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_pool_release_unused(tfmg_pool* p, uint64_t* released) {
+  TFMG_EXPECT_POOL(p);
+  const std::size_t n = p->impl.release_unused();
+  if (released != nullptr) *released = n;
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_pool_trace(tfmg_pool* p, tfmg_trace_event* events, uint64_t capacity,
+                            uint64_t* count, uint64_t* dropped) {
+  TFMG_EXPECT_POOL(p);
+  if (count == nullptr || (events == nullptr && capacity != 0)) {
+    return fail(TFMG_ERROR_INVALID_ARGUMENT, "count must not be null, nor events with a capacity");
+  }
+  std::uint64_t d = 0;
+  auto all = p->impl.trace(&d);
+  const std::size_t n = std::min<std::size_t>(all.size(), capacity);
+  if (n != 0) std::memcpy(events, all.data(), n * sizeof(tfmg_trace_event));
+  *count = capacity == 0 ? all.size() : n;
+  if (dropped != nullptr) *dropped = d;
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_pool_trace_clear(tfmg_pool* p) {
+  TFMG_EXPECT_POOL(p);
+  p->impl.trace_clear();
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_pool_check(tfmg_pool* p) {
+  TFMG_EXPECT_POOL(p);
+  std::string why;
+  if (!p->impl.is_valid(&why)) return fail(TFMG_ERROR_INVALID_STATE, "pool invariant broken: " + why);
+  return TFMG_OK;
+}
+
+void tfmg_pool_describe(tfmg_pool* p, char* buf, uint64_t buf_size) {
+  if (buf == nullptr || buf_size == 0) return;
+  const std::string s = p == nullptr ? std::string("(null pool)") : p->impl.describe();
+  const std::size_t n = std::min<std::size_t>(s.size(), buf_size - 1);
+  std::memcpy(buf, s.data(), n);
+  buf[n] = '\0';
+}
+
+}  // extern "C"

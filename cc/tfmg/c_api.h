@@ -1,0 +1,207 @@
+/* tf_memguard core: the plain C interface.
+ *
+ * Everything outside the core (the pybind11 module, the TensorFlow plugin, benchmarks)
+ * talks to the pool through this header only, so that one copy of the core per process
+ * (libtfmg_core.so) serves every user of it: the plugin dlopen()s the library and looks
+ * these symbols up by name.
+ *
+ * Every function is thread-safe unless it says otherwise. Functions return a
+ * tfmg_status; on anything but TFMG_OK, tfmg_last_error() returns a message for the
+ * calling thread that says what happened, the state, and what to do.
+ */
+#ifndef TFMG_C_API_H_
+#define TFMG_C_API_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TFMG_API __attribute__((visibility("default")))
+
+/* Bumped whenever a struct below or a function signature changes; the plugin and the
+ * bindings refuse a core whose version differs from the header they were built with. */
+#define TFMG_ABI_VERSION 1
+
+typedef enum tfmg_status {
+  TFMG_OK = 0,
+  TFMG_ERROR_INVALID_ARGUMENT = 1, /* a caller's mistake: bad size, alignment, option */
+  TFMG_ERROR_OUT_OF_MEMORY = 2,    /* the budget (or the upstream) cannot serve it */
+  TFMG_ERROR_UNKNOWN_POINTER = 3,  /* free of a pointer this pool never handed out */
+  TFMG_ERROR_DOUBLE_FREE = 4,      /* free of a block that is already free */
+  TFMG_ERROR_UPSTREAM = 5,         /* the upstream failed for a reason other than size */
+  TFMG_ERROR_INVALID_STATE = 6     /* call in the wrong order (e.g. destroy while in use) */
+} tfmg_status;
+
+/* Allocation flags. */
+#define TFMG_ALLOC_DEFAULT 0u
+/* The caller cannot handle a refusal (TensorFlow crashes on a null for a numpy input,
+ * say). If the budget cannot serve the request, it is taken straight from the upstream
+ * and accounted as overshoot. Fails only when the upstream itself fails. */
+#define TFMG_ALLOC_MUST_SUCCEED 1u
+
+typedef enum tfmg_upstream_kind {
+  TFMG_UPSTREAM_HOST = 0 /* page-aligned host memory (mmap for large regions) */
+} tfmg_upstream_kind;
+
+typedef struct tfmg_pool_options {
+  /* The hard budget: the pool never reserves more than this from its upstream.
+   * 0 means "no budget yet": every allocation passes straight through to the
+   * upstream and is counted (see tfmg_pool_set_limit). */
+  uint64_t max_bytes;
+  /* Minimum alignment of every block and the granule sizes are rounded to.
+   * 0 picks the upstream's default (64 bytes on host). Must be a power of two. */
+  uint64_t alignment;
+  /* Size of the first region reserved from the upstream; later regions double.
+   * 0 picks the default (2 MiB). UINT64_MAX reserves the whole budget up front. */
+  uint64_t region_bytes;
+  /* Requests of at least this many bytes are "large" and placed at the low end of
+   * free blocks; smaller ones at the high end, which keeps long-lived small blocks
+   * from pinning holes between large ones. 0 picks the default (1 MiB). */
+  uint64_t small_threshold;
+  /* Capacity of the trace ring buffer in events; 0 turns the trace off. */
+  uint64_t trace_capacity;
+  tfmg_upstream_kind upstream;
+} tfmg_pool_options;
+
+/* Statistics. The first eight fields carry TensorFlow's names and meanings
+ * (tsl::AllocatorStats) so glue can copy them one by one. */
+typedef struct tfmg_stats {
+  int64_t num_allocs;              /* successful allocations since creation/clear */
+  int64_t bytes_in_use;            /* bytes handed out and not yet freed (rounded) */
+  int64_t peak_bytes_in_use;       /* maximum of bytes_in_use since creation/clear */
+  int64_t largest_alloc_size;      /* largest single allocation since creation/clear */
+  int64_t bytes_limit;             /* the budget; 0 when none is set */
+  int64_t bytes_reserved;          /* bytes held from the upstream in pool regions */
+  int64_t peak_bytes_reserved;     /* maximum of bytes_reserved */
+  int64_t largest_free_block_bytes;/* largest free block inside reserved regions */
+  /* tf_memguard's own. */
+  int64_t num_frees;
+  int64_t num_refusals;            /* requests refused for lack of budget */
+  int64_t window_peak_bytes_in_use;/* peak since tfmg_pool_reset_peak (e.g. per epoch) */
+  int64_t bytes_free;              /* bytes_reserved minus pooled bytes in use */
+  int64_t largest_allocatable_bytes;/* largest request that could succeed now */
+  int64_t num_regions;
+  int64_t passthrough_bytes_in_use;/* handed out before a budget was set */
+  int64_t overshoot_bytes_in_use;  /* MUST_SUCCEED bytes granted over the budget */
+  int64_t peak_overshoot_bytes;
+  int64_t num_overshoots;
+  /* 1 - largest_free_block_bytes / bytes_free, in [0, 1); 0 when nothing is free.
+   * 0 means all free memory is one block; near 1, it is in many small pieces. */
+  double fragmentation;
+} tfmg_stats;
+
+/* The state at the moment a request was refused. */
+typedef struct tfmg_refusal {
+  uint64_t sequence;               /* 1 for the first refusal of the pool, and so on */
+  int64_t requested_bytes;         /* as asked, before rounding */
+  int64_t alignment;
+  int64_t bytes_in_use;
+  int64_t bytes_reserved;
+  int64_t largest_free_block_bytes;
+  int64_t largest_allocatable_bytes;
+  int64_t bytes_limit;
+} tfmg_refusal;
+
+typedef enum tfmg_trace_op {
+  TFMG_TRACE_ALLOC = 0,
+  TFMG_TRACE_FREE = 1,
+  TFMG_TRACE_REFUSE = 2,
+  TFMG_TRACE_OVERSHOOT = 3 /* a MUST_SUCCEED request served outside the budget */
+} tfmg_trace_op;
+
+typedef struct tfmg_trace_event {
+  uint64_t sequence; /* order of the event among all events of the pool */
+  uint32_t op;       /* tfmg_trace_op */
+  int32_t region;    /* index of the region, -1 outside regions */
+  uint64_t size;     /* bytes (rounded block size; as asked for refusals) */
+  uint64_t offset;   /* offset of the block within its region */
+  uint64_t address;
+} tfmg_trace_event;
+
+typedef struct tfmg_pool tfmg_pool;
+
+TFMG_API int tfmg_abi_version(void);
+TFMG_API const char* tfmg_status_string(tfmg_status status);
+/* The message of the last failed call on this thread ("" if none). */
+TFMG_API const char* tfmg_last_error(void);
+
+TFMG_API void tfmg_pool_options_init(tfmg_pool_options* options);
+TFMG_API tfmg_status tfmg_pool_create(const tfmg_pool_options* options, tfmg_pool** out);
+/* Fails with INVALID_STATE if blocks are still in use (unless force is non-zero, in
+ * which case their memory is returned to the upstream anyway). Not thread-safe with
+ * respect to other calls on the same pool. */
+TFMG_API tfmg_status tfmg_pool_destroy(tfmg_pool* pool, int force);
+
+/* Statuses: OK; INVALID_ARGUMENT (alignment not a power of two, or above 1 GiB);
+ * OUT_OF_MEMORY (over budget, recorded as a refusal, no counter changes otherwise);
+ * UPSTREAM (the upstream failed). A request of 0 bytes gets a unique block of one
+ * granule, freed like any other. */
+TFMG_API tfmg_status tfmg_pool_allocate(tfmg_pool* pool, uint64_t bytes, uint64_t alignment,
+                                        uint32_t flags, void** out);
+/* Statuses: OK; UNKNOWN_POINTER; DOUBLE_FREE. A null pointer is OK and does nothing.
+ * On error nothing changes. *size_out (optional) receives the block's size. */
+TFMG_API tfmg_status tfmg_pool_deallocate(tfmg_pool* pool, void* ptr, uint64_t* size_out);
+/* The size of the block at ptr (rounded), or UNKNOWN_POINTER. */
+TFMG_API tfmg_status tfmg_pool_block_size(tfmg_pool* pool, const void* ptr, uint64_t* out);
+
+/* Sets or changes the budget. Raising it always works; lowering it below bytes_reserved
+ * first returns free regions, and fails with OUT_OF_MEMORY (leaving the old limit) if
+ * that is not enough. Setting a budget on a pass-through pool switches it to pooling;
+ * blocks handed out before stay valid and are counted as passthrough bytes. */
+TFMG_API tfmg_status tfmg_pool_set_limit(tfmg_pool* pool, uint64_t max_bytes);
+
+TFMG_API tfmg_status tfmg_pool_get_stats(tfmg_pool* pool, tfmg_stats* out);
+/* As TensorFlow's ClearStats: num_allocs and largest_alloc_size to 0, the peaks to the
+ * current values. */
+TFMG_API tfmg_status tfmg_pool_clear_stats(tfmg_pool* pool);
+/* Only the window peak, to the current bytes_in_use. */
+TFMG_API tfmg_status tfmg_pool_reset_peak(tfmg_pool* pool);
+/* The most recent refusal; INVALID_STATE if there was none. */
+TFMG_API tfmg_status tfmg_pool_last_refusal(tfmg_pool* pool, tfmg_refusal* out);
+/* Returns every region that holds no block in use to the upstream. *released_bytes
+ * (optional) receives the number of bytes returned. */
+TFMG_API tfmg_status tfmg_pool_release_unused(tfmg_pool* pool, uint64_t* released_bytes);
+
+/* Copies up to capacity of the oldest retained trace events into events; *count gets
+ * the number copied, *dropped (optional) the number of events lost to the bound. */
+TFMG_API tfmg_status tfmg_pool_trace(tfmg_pool* pool, tfmg_trace_event* events,
+                                     uint64_t capacity, uint64_t* count, uint64_t* dropped);
+TFMG_API tfmg_status tfmg_pool_trace_clear(tfmg_pool* pool);
+
+/* Walks every invariant of the pool (expensive: O(blocks)). OK, or INVALID_STATE with
+ * tfmg_last_error() naming the first broken invariant. */
+TFMG_API tfmg_status tfmg_pool_check(tfmg_pool* pool);
+
+/* Writes a one-line description of the pool's state (sizes in human units) into buf. */
+TFMG_API void tfmg_pool_describe(tfmg_pool* pool, char* buf, uint64_t buf_size);
+
+/* Trace replay, for benchmarks: ops are applied in order; an allocation stores its
+ * pointer in slots[slot], a free releases slots[slot]. Only the loop over the ops is
+ * timed. The replay stops at the first allocation that fails (failed_at is its index,
+ * UINT64_MAX if none did) and frees whatever it still holds before returning. */
+typedef struct tfmg_replay_op {
+  uint64_t size;   /* bytes to allocate; ignored for frees */
+  uint32_t slot;
+  uint32_t is_free;
+} tfmg_replay_op;
+
+typedef struct tfmg_replay_result {
+  uint64_t elapsed_ns;
+  uint64_t completed;
+  uint64_t failed_at;
+} tfmg_replay_result;
+
+TFMG_API tfmg_status tfmg_replay_pool(tfmg_pool* pool, const tfmg_replay_op* ops, uint64_t count,
+                                      uint64_t slots, tfmg_replay_result* result);
+/* The same trace through posix_memalign/free, as a baseline. */
+TFMG_API tfmg_status tfmg_replay_system(const tfmg_replay_op* ops, uint64_t count, uint64_t slots,
+                                        uint64_t alignment, tfmg_replay_result* result);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TFMG_C_API_H_ */

@@ -1,0 +1,621 @@
+#include "cc/tfmg/pool.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cinttypes>
+#include <cstdio>
+#include <limits>
+
+namespace tfmg {
+namespace {
+
+constexpr std::size_t kMaxAlignment = std::size_t{1} << 30;
+constexpr std::size_t kBlockChunk = 1024;  // blocks are allocated in chunks of this many
+
+bool is_pow2(std::size_t x) { return x != 0 && (x & (x - 1)) == 0; }
+std::size_t round_up(std::size_t x, std::size_t a) { return (x + a - 1) & ~(a - 1); }
+std::size_t round_down(std::size_t x, std::size_t a) { return x & ~(a - 1); }
+
+}  // namespace
+
+std::string format_bytes(std::uint64_t bytes) {
+  static const char* const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024.0 && u < 6) {
+    v /= 1024.0;
+    ++u;
+  }
+  char buf[32];
+  if (u == 0) {
+    std::snprintf(buf, sizeof buf, "%" PRIu64 " B", bytes);
+  } else if (v >= 100.0) {
+    std::snprintf(buf, sizeof buf, "%.0f %s", v, units[u]);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.*f %s", v >= 10.0 ? 1 : 2, v, units[u]);
+  }
+  return buf;
+}
+
+pool::pool(std::unique_ptr<upstream> up, const pool_config& config)
+    : upstream_(std::move(up)),
+      granule_(config.alignment != 0 ? config.alignment : upstream_->default_alignment()),
+      small_threshold_(config.small_threshold),
+      first_region_bytes_(config.region_bytes),
+      free_(by_size_then_addr{}, node_allocator<block*>(&arena_)),
+      live_(64, std::hash<std::uintptr_t>{}, std::equal_to<std::uintptr_t>{},
+            node_allocator<std::pair<const std::uintptr_t, block*>>(&arena_)),
+      direct_(16, std::hash<std::uintptr_t>{}, std::equal_to<std::uintptr_t>{},
+              node_allocator<std::pair<const std::uintptr_t, direct_block>>(&arena_)),
+      next_region_bytes_(config.region_bytes),
+      limit_(config.max_bytes),
+      trace_(config.trace_capacity) {
+  assert(is_pow2(granule_));
+}
+
+pool::~pool() { release_all(); }
+
+// ---------------------------------------------------------------------------------
+// Allocation
+
+void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
+                     pool_error* error) {
+  if (alignment == 0) alignment = granule_;
+  if (!is_pow2(alignment) || alignment > kMaxAlignment) {
+    error->status = TFMG_ERROR_INVALID_ARGUMENT;
+    error->message = "alignment=" + std::to_string(alignment) +
+                     ": must be a power of two no larger than 1 GiB";
+    return nullptr;
+  }
+  alignment = std::max(alignment, granule_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Anything above half the address space cannot be served and would overflow rounding.
+  if (bytes > (std::numeric_limits<std::size_t>::max() >> 1)) {
+    refuse_locked(bytes, alignment, error);
+    return nullptr;
+  }
+  const std::size_t size = bytes == 0 ? granule_ : round_up(bytes, granule_);
+  if (limit_ == 0) return allocate_direct_locked(size, alignment, false, error);
+
+  // Small blocks go to the high end of the best-fitting free block (see pool.h).
+  const bool small = size < small_threshold_ && alignment == granule_;
+  block* b = find_fit_locked(size, alignment, small);
+  if (b == nullptr && grow_locked(size, alignment)) b = find_fit_locked(size, alignment, small);
+  if (b == nullptr) {
+    if (flags & TFMG_ALLOC_MUST_SUCCEED) return allocate_direct_locked(size, alignment, true, error);
+    refuse_locked(bytes, alignment, error);
+    return nullptr;
+  }
+  b = carve_locked(b, size, alignment, small);
+  live_.emplace(b->addr, b);
+  pooled_in_use_ += b->size;
+  note_alloc_locked(b->size);
+  if (trace_.enabled()) {
+    trace_.record(TFMG_TRACE_ALLOC, b->owner->index, b->size, b->addr - b->owner->base, b->addr);
+  }
+  return reinterpret_cast<void*>(b->addr);
+}
+
+pool::block* pool::find_fit_locked(std::size_t size, std::size_t alignment, bool small) {
+  // With an alignment above the granule, a block this much larger always has room
+  // for the padding in front.
+  block key{};
+  key.size = size + (alignment > granule_ ? alignment - granule_ : 0);
+  key.addr = 0;
+  auto it = free_.lower_bound(&key);
+  if (it == free_.end()) return nullptr;
+  if (!small) return *it;
+  // Among the free blocks of the best size, the one at the highest address.
+  key.size = (*it)->size;
+  key.addr = std::numeric_limits<std::uintptr_t>::max();
+  return *std::prev(free_.upper_bound(&key));
+}
+
+pool::block* pool::carve_locked(block* b, std::size_t size, std::size_t alignment, bool small) {
+  free_.erase(b);
+  auto link_after = [](block* at, block* nb) {
+    nb->prev = at;
+    nb->next = at->next;
+    nb->owner = at->owner;
+    if (at->next != nullptr) at->next->prev = nb;
+    at->next = nb;
+  };
+  if (alignment > granule_) {
+    const std::size_t pad = round_up(b->addr, alignment) - b->addr;
+    if (pad != 0) {
+      block* nb = new_block_locked();
+      nb->addr = b->addr + pad;
+      nb->size = b->size - pad;
+      nb->free = true;
+      link_after(b, nb);
+      b->size = pad;
+      free_.insert(b);
+      b = nb;
+    }
+  }
+  if (b->size > size) {
+    const std::size_t rest = b->size - size;
+    block* nb = new_block_locked();
+    if (small) {
+      // The block handed out is the high end; the low end stays free.
+      nb->addr = b->addr + rest;
+      nb->size = size;
+      nb->free = false;
+      link_after(b, nb);
+      b->size = rest;
+      free_.insert(b);
+      return nb;
+    }
+    nb->addr = b->addr + size;
+    nb->size = rest;
+    nb->free = true;
+    link_after(b, nb);
+    b->size = size;
+    free_.insert(nb);
+  }
+  b->free = false;
+  return b;
+}
+
+bool pool::grow_locked(std::size_t size, std::size_t alignment) {
+  const std::size_t page = upstream_->page_size();
+  const std::size_t extra = alignment > page ? alignment - page : 0;
+  const std::size_t need = round_up(size + extra, page);
+  if (need > limit_ || need < size) return false;
+  if (need > limit_ - reserved_) {
+    // Returning empty regions helps only if it makes room; otherwise change nothing,
+    // so that a refusal leaves every counter as it was.
+    std::size_t releasable = 0;
+    for (const auto& r : regions_) {
+      if (r->first->free && r->first->next == nullptr) releasable += r->size;
+    }
+    if (need > limit_ - reserved_ + releasable) return false;
+    release_unused_locked();
+  }
+  const std::size_t room = round_down(limit_ - reserved_, page);
+  std::size_t want = std::max(need, std::min(round_up(std::min(next_region_bytes_, room), page), room));
+  void* p = upstream_->allocate(want, page);
+  if (p == nullptr && want > need) {
+    want = need;
+    p = upstream_->allocate(want, page);
+  }
+  if (p == nullptr) return false;
+
+  auto r = std::make_unique<region>();
+  r->base = reinterpret_cast<std::uintptr_t>(p);
+  r->size = want;
+  r->index = next_region_index_++;
+  block* b = new_block_locked();
+  b->addr = r->base;
+  b->size = want;
+  b->prev = b->next = nullptr;
+  b->owner = r.get();
+  b->free = true;
+  r->first = b;
+  free_.insert(b);
+  regions_.push_back(std::move(r));
+  reserved_ += want;
+  peak_reserved_ = std::max(peak_reserved_, reserved_);
+  if (next_region_bytes_ <= (std::numeric_limits<std::size_t>::max() >> 1)) next_region_bytes_ *= 2;
+  return true;
+}
+
+void* pool::allocate_direct_locked(std::size_t size, std::size_t alignment, bool overshoot,
+                                   pool_error* error) {
+  void* p = upstream_->allocate(size, alignment);
+  if (p == nullptr) {
+    if (overshoot) {
+      refuse_locked(size, alignment, error);
+    } else {
+      error->status = TFMG_ERROR_OUT_OF_MEMORY;
+      error->message = "cannot allocate " + format_bytes(size) + " (" + std::to_string(size) +
+                       " bytes): the " + upstream_->name() + " upstream has no more memory";
+    }
+    return nullptr;
+  }
+  direct_.emplace(reinterpret_cast<std::uintptr_t>(p), direct_block{size, alignment, overshoot});
+  if (overshoot) {
+    overshoot_in_use_ += size;
+    peak_overshoot_ = std::max(peak_overshoot_, overshoot_in_use_);
+    ++num_overshoots_;
+  } else {
+    passthrough_in_use_ += size;
+  }
+  note_alloc_locked(size);
+  if (trace_.enabled()) {
+    trace_.record(overshoot ? TFMG_TRACE_OVERSHOOT : TFMG_TRACE_ALLOC, -1, size, 0,
+                  reinterpret_cast<std::uintptr_t>(p));
+  }
+  return p;
+}
+
+void pool::note_alloc_locked(std::size_t size) {
+  ++num_allocs_;
+  largest_alloc_ = std::max(largest_alloc_, size);
+  const std::size_t in_use = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
+  peak_in_use_ = std::max(peak_in_use_, in_use);
+  window_peak_ = std::max(window_peak_, in_use);
+}
+
+void pool::refuse_locked(std::size_t bytes, std::size_t alignment, pool_error* error) {
+  ++num_refusals_;
+  has_refusal_ = true;
+  last_refusal_.sequence = static_cast<std::uint64_t>(num_refusals_);
+  last_refusal_.requested_bytes = static_cast<std::int64_t>(std::min<std::size_t>(
+      bytes, static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max())));
+  last_refusal_.alignment = static_cast<std::int64_t>(alignment);
+  last_refusal_.bytes_in_use =
+      static_cast<std::int64_t>(pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_);
+  last_refusal_.bytes_reserved = static_cast<std::int64_t>(reserved_);
+  last_refusal_.largest_free_block_bytes = static_cast<std::int64_t>(largest_free_locked());
+  last_refusal_.largest_allocatable_bytes = static_cast<std::int64_t>(largest_allocatable_locked());
+  last_refusal_.bytes_limit = static_cast<std::int64_t>(limit_);
+  if (trace_.enabled()) trace_.record(TFMG_TRACE_REFUSE, -1, bytes, 0, 0);
+  error->status = TFMG_ERROR_OUT_OF_MEMORY;
+  error->message = "cannot allocate " + format_bytes(bytes) + " (" + std::to_string(bytes) +
+                   " bytes): " + state_locked() +
+                   ". Free memory, make the request smaller, or raise the budget.";
+}
+
+// ---------------------------------------------------------------------------------
+// Free
+
+bool pool::deallocate(void* p, std::size_t* size_out, pool_error* error) {
+  if (p == nullptr) {
+    if (size_out != nullptr) *size_out = 0;
+    return true;
+  }
+  const auto addr = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = live_.find(addr);
+  if (it != live_.end()) {
+    block* b = it->second;
+    live_.erase(it);
+    pooled_in_use_ -= b->size;
+    ++num_frees_;
+    if (size_out != nullptr) *size_out = b->size;
+    if (trace_.enabled()) {
+      trace_.record(TFMG_TRACE_FREE, b->owner->index, b->size, b->addr - b->owner->base, b->addr);
+    }
+    free_block_locked(b);
+    return true;
+  }
+  auto d = direct_.find(addr);
+  if (d != direct_.end()) {
+    const direct_block db = d->second;
+    direct_.erase(d);
+    upstream_->deallocate(p, db.size, db.alignment);
+    (db.overshoot ? overshoot_in_use_ : passthrough_in_use_) -= db.size;
+    ++num_frees_;
+    if (size_out != nullptr) *size_out = db.size;
+    if (trace_.enabled()) trace_.record(TFMG_TRACE_FREE, -1, db.size, 0, addr);
+    return true;
+  }
+  describe_pointer_error_locked(addr, error);
+  return false;
+}
+
+void pool::free_block_locked(block* b) {
+  // Coalesce with free neighbours: O(1) through the address links, plus the tree
+  // erases of the neighbours.
+  b->free = true;
+  auto unlink = [](block* x) {
+    if (x->prev != nullptr) {
+      x->prev->next = x->next;
+    } else {
+      x->owner->first = x->next;
+    }
+    if (x->next != nullptr) x->next->prev = x->prev;
+  };
+  if (b->prev != nullptr && b->prev->free) {
+    block* p = b->prev;
+    free_.erase(p);
+    p->size += b->size;
+    unlink(b);
+    recycle_block_locked(b);
+    b = p;
+  }
+  if (b->next != nullptr && b->next->free) {
+    block* n = b->next;
+    free_.erase(n);
+    b->size += n->size;
+    unlink(n);
+    recycle_block_locked(n);
+  }
+  free_.insert(b);
+}
+
+void pool::describe_pointer_error_locked(std::uintptr_t p, pool_error* error) const {
+  char addr[32];
+  std::snprintf(addr, sizeof addr, "0x%" PRIxPTR, p);
+  for (const auto& r : regions_) {
+    if (p < r->base || p >= r->base + r->size) continue;
+    // Error path only: a walk of this region's blocks is fine here.
+    for (const block* b = r->first; b != nullptr; b = b->next) {
+      if (p < b->addr || p >= b->addr + b->size) continue;
+      if (b->free) {
+        error->status = TFMG_ERROR_DOUBLE_FREE;
+        error->message = std::string("free of ") + addr +
+                         ": that memory is not in use (already freed: a double free). "
+                         "Nothing was changed.";
+      } else {
+        error->status = TFMG_ERROR_UNKNOWN_POINTER;
+        error->message = std::string("free of ") + addr + ": points " +
+                         std::to_string(p - b->addr) + " bytes into a " + format_bytes(b->size) +
+                         " block, not at its start. Nothing was changed.";
+      }
+      return;
+    }
+  }
+  error->status = TFMG_ERROR_UNKNOWN_POINTER;
+  error->message = std::string("free of ") + addr +
+                   ": not a pointer handed out by this pool (or already returned). "
+                   "Nothing was changed.";
+}
+
+bool pool::block_size(const void* p, std::size_t* out) const {
+  const auto addr = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = live_.find(addr);
+  if (it != live_.end()) {
+    *out = it->second->size;
+    return true;
+  }
+  auto d = direct_.find(addr);
+  if (d != direct_.end()) {
+    *out = d->second.size;
+    return true;
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------------------------
+// Budget, regions, statistics
+
+bool pool::set_limit(std::size_t max_bytes, pool_error* error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (max_bytes == 0) {
+    error->status = TFMG_ERROR_INVALID_ARGUMENT;
+    error->message = "max_bytes=0: a budget must be a positive number of bytes";
+    return false;
+  }
+  if (max_bytes < reserved_) release_unused_locked();
+  if (max_bytes < reserved_) {
+    error->status = TFMG_ERROR_OUT_OF_MEMORY;
+    error->message = "cannot lower the budget to " + format_bytes(max_bytes) + ": " +
+                     format_bytes(reserved_) +
+                     " is reserved in regions that still hold blocks in use. Free them first; "
+                     "the budget stays " + format_bytes(limit_) + ".";
+    return false;
+  }
+  limit_ = max_bytes;
+  return true;
+}
+
+std::size_t pool::release_unused() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return release_unused_locked();
+}
+
+std::size_t pool::release_unused_locked() {
+  std::size_t released = 0;
+  auto keep = regions_.begin();
+  for (auto it = regions_.begin(); it != regions_.end(); ++it) {
+    region* r = it->get();
+    if (r->first->free && r->first->next == nullptr) {
+      free_.erase(r->first);
+      recycle_block_locked(r->first);
+      upstream_->deallocate(reinterpret_cast<void*>(r->base), r->size, upstream_->page_size());
+      reserved_ -= r->size;
+      released += r->size;
+      it->reset();
+    } else {
+      if (keep != it) *keep = std::move(*it);
+      ++keep;
+    }
+  }
+  regions_.erase(keep, regions_.end());
+  return released;
+}
+
+void pool::release_all() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& r : regions_) {
+    upstream_->deallocate(reinterpret_cast<void*>(r->base), r->size, upstream_->page_size());
+  }
+  for (auto& d : direct_) {
+    upstream_->deallocate(reinterpret_cast<void*>(d.first), d.second.size, d.second.alignment);
+  }
+  regions_.clear();
+  direct_.clear();
+  live_.clear();
+  free_.clear();
+  spare_blocks_.clear();
+  block_chunks_.clear();
+  reserved_ = pooled_in_use_ = passthrough_in_use_ = overshoot_in_use_ = 0;
+}
+
+std::size_t pool::in_use_blocks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return live_.size() + direct_.size();
+}
+
+std::size_t pool::largest_free_locked() const {
+  return free_.empty() ? 0 : (*free_.rbegin())->size;
+}
+
+std::size_t pool::largest_allocatable_locked() const {
+  if (limit_ == 0) return upstream_->total_memory();
+  std::size_t releasable = 0;
+  for (const auto& r : regions_) {
+    if (r->first->free && r->first->next == nullptr) releasable += r->size;
+  }
+  const std::size_t growable = round_down(limit_ - reserved_ + releasable, upstream_->page_size());
+  return std::max(largest_free_locked(), growable);
+}
+
+void pool::fill_stats_locked(tfmg_stats* s) const {
+  const std::size_t in_use = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
+  s->num_allocs = num_allocs_;
+  s->bytes_in_use = static_cast<std::int64_t>(in_use);
+  s->peak_bytes_in_use = static_cast<std::int64_t>(peak_in_use_);
+  s->largest_alloc_size = static_cast<std::int64_t>(largest_alloc_);
+  s->bytes_limit = static_cast<std::int64_t>(limit_);
+  s->bytes_reserved = static_cast<std::int64_t>(reserved_);
+  s->peak_bytes_reserved = static_cast<std::int64_t>(peak_reserved_);
+  s->largest_free_block_bytes = static_cast<std::int64_t>(largest_free_locked());
+  s->num_frees = num_frees_;
+  s->num_refusals = num_refusals_;
+  s->window_peak_bytes_in_use = static_cast<std::int64_t>(window_peak_);
+  s->bytes_free = static_cast<std::int64_t>(reserved_ - pooled_in_use_);
+  s->largest_allocatable_bytes = static_cast<std::int64_t>(largest_allocatable_locked());
+  s->num_regions = static_cast<std::int64_t>(regions_.size());
+  s->passthrough_bytes_in_use = static_cast<std::int64_t>(passthrough_in_use_);
+  s->overshoot_bytes_in_use = static_cast<std::int64_t>(overshoot_in_use_);
+  s->peak_overshoot_bytes = static_cast<std::int64_t>(peak_overshoot_);
+  s->num_overshoots = num_overshoots_;
+  s->fragmentation =
+      s->bytes_free == 0
+          ? 0.0
+          : 1.0 - static_cast<double>(s->largest_free_block_bytes) / static_cast<double>(s->bytes_free);
+}
+
+tfmg_stats pool::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  tfmg_stats s{};
+  fill_stats_locked(&s);
+  return s;
+}
+
+void pool::clear_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::size_t in_use = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
+  num_allocs_ = 0;
+  largest_alloc_ = 0;
+  peak_in_use_ = in_use;  // the window peak and peak_bytes_reserved stay, as in TF
+}
+
+void pool::reset_peak() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  window_peak_ = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
+}
+
+bool pool::last_refusal(tfmg_refusal* out) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!has_refusal_) return false;
+  *out = last_refusal_;
+  return true;
+}
+
+std::string pool::state_locked() const {
+  std::string s;
+  if (limit_ == 0) {
+    s = format_bytes(pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_) +
+        " in use, no budget set";
+  } else {
+    s = format_bytes(pooled_in_use_) + " of the " + format_bytes(limit_) +
+        " budget in use, largest free block " + format_bytes(largest_free_locked());
+    const std::size_t growable = largest_allocatable_locked();
+    if (growable > largest_free_locked()) s += " (" + format_bytes(growable) + " could be reserved)";
+    if (overshoot_in_use_ != 0) s += ", " + format_bytes(overshoot_in_use_) + " granted over budget";
+    if (passthrough_in_use_ != 0) {
+      s += ", " + format_bytes(passthrough_in_use_) + " allocated before the budget was set";
+    }
+  }
+  return s;
+}
+
+std::string pool::describe() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return state_locked() + "; " + std::to_string(regions_.size()) + " region(s), " +
+         format_bytes(reserved_) + " reserved, " + std::to_string(live_.size() + direct_.size()) +
+         " block(s) in use";
+}
+
+std::vector<tfmg_trace_event> pool::trace(std::uint64_t* dropped) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (dropped != nullptr) *dropped = trace_.dropped();
+  return trace_.events();
+}
+
+void pool::trace_clear() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  trace_.clear();
+}
+
+// ---------------------------------------------------------------------------------
+// Block objects
+
+pool::block* pool::new_block_locked() {
+  if (spare_blocks_.empty()) {
+    block_chunks_.emplace_back(new block[kBlockChunk]);
+    block* chunk = block_chunks_.back().get();
+    spare_blocks_.reserve(spare_blocks_.size() + kBlockChunk);
+    for (std::size_t i = kBlockChunk; i-- > 0;) spare_blocks_.push_back(&chunk[i]);
+  }
+  block* b = spare_blocks_.back();
+  spare_blocks_.pop_back();
+  return b;
+}
+
+void pool::recycle_block_locked(block* b) { spare_blocks_.push_back(b); }
+
+// ---------------------------------------------------------------------------------
+// Invariants
+
+bool pool::is_valid(std::string* why) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto fail = [why](const std::string& what) {
+    if (why != nullptr) *why = what;
+    return false;
+  };
+  std::size_t reserved = 0, used = 0, free_blocks = 0, used_blocks = 0;
+  for (const auto& r : regions_) {
+    reserved += r->size;
+    if (r->first == nullptr || r->first->addr != r->base || r->first->prev != nullptr) {
+      return fail("region " + std::to_string(r->index) + " does not start with its first block");
+    }
+    std::uintptr_t expect = r->base;
+    const block* prev = nullptr;
+    for (const block* b = r->first; b != nullptr; prev = b, b = b->next) {
+      const std::string where = "block at offset " + std::to_string(b->addr - r->base) +
+                                " of region " + std::to_string(r->index);
+      if (b->addr != expect) return fail(where + ": blocks do not tile the region");
+      if (b->prev != prev) return fail(where + ": broken prev link");
+      if (b->owner != r.get()) return fail(where + ": wrong owner");
+      if (b->size == 0 || b->size % granule_ != 0 || b->addr % granule_ != 0) {
+        return fail(where + ": size or address not a multiple of the granule");
+      }
+      if (b->free) {
+        ++free_blocks;
+        if (prev != nullptr && prev->free) return fail(where + ": two free neighbours not coalesced");
+        if (free_.find(const_cast<block*>(b)) == free_.end()) return fail(where + ": free but not indexed");
+      } else {
+        ++used_blocks;
+        used += b->size;
+        auto it = live_.find(b->addr);
+        if (it == live_.end() || it->second != b) return fail(where + ": in use but not in the live map");
+      }
+      expect = b->addr + b->size;
+    }
+    if (expect != r->base + r->size) {
+      return fail("region " + std::to_string(r->index) + ": blocks do not cover it to the end");
+    }
+  }
+  if (free_blocks != free_.size()) return fail("free index holds blocks that are not free");
+  if (used_blocks != live_.size()) return fail("live map holds blocks that are not in use");
+  if (used != pooled_in_use_) return fail("bytes in use do not match the blocks in use");
+  if (reserved != reserved_) return fail("bytes reserved do not match the regions");
+  if (limit_ != 0 && reserved_ > limit_) return fail("reserved bytes exceed the budget");
+  std::size_t pass = 0, over = 0;
+  for (const auto& d : direct_) (d.second.overshoot ? over : pass) += d.second.size;
+  if (pass != passthrough_in_use_ || over != overshoot_in_use_) {
+    return fail("direct blocks do not match their counters");
+  }
+  const std::size_t in_use = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
+  if (peak_in_use_ < in_use || window_peak_ < in_use) return fail("a peak is below the current use");
+  if (peak_reserved_ < reserved_) return fail("peak reserved is below the current reservation");
+  return true;
+}
+
+}  // namespace tfmg

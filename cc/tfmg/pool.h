@@ -1,0 +1,195 @@
+// The budget pool: best fit, split, coalesce, hard budget.
+//
+// Glossary
+//   upstream   where memory comes from (host pages; later CUDA device memory).
+//   region     one contiguous piece obtained from the upstream and carved into blocks.
+//   block      a contiguous part of a region, either in use (handed out) or free.
+//              Blocks of a region tile it exactly, in address order.
+//   direct     a block served by the upstream outside any region: pass-through (no
+//              budget set yet) and overshoot (MUST_SUCCEED requests over the budget).
+//   granule    the minimum alignment; every block size is a multiple of it.
+//   budget     max_bytes. bytes_reserved (sum of region sizes) never exceeds it.
+//   in use     bytes of blocks handed out, rounded to the granule.
+//   refusal    a request the budget could not serve; recorded with the state then.
+//
+// Placement. A request takes the smallest free block that fits (best fit; ties broken
+// by address). "Large" requests (>= small_threshold) are carved from the low end of
+// that block, small ones from the high end, so small blocks gather at the top of the
+// free space and large ones at the bottom: a long-lived small block then rarely sits
+// between two large free blocks and keeps them from merging.
+//
+// Growth policy. Regions are reserved lazily: the first is region_bytes (default
+// 2 MiB) or the request if larger, each next one twice the last, always clipped to the
+// budget left. When a request does not fit and the budget is spent, regions holding no
+// block in use are returned to the upstream and the request retried, so a few large
+// regions can replace many small ones. region_bytes = UINT64_MAX reserves the whole
+// budget up front as one region (host memory is only address space until touched).
+// release_unused() returns empty regions on demand.
+//
+// Cost. Best fit is one lookup in a size-ordered tree of free blocks, a free is one
+// hash lookup plus O(1) neighbour checks through the blocks' address links: O(log n)
+// per call in the number of free blocks, with no scan of a block list.
+#ifndef TFMG_POOL_H_
+#define TFMG_POOL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cc/tfmg/c_api.h"
+#include "cc/tfmg/node_allocator.h"
+#include "cc/tfmg/trace.h"
+#include "cc/tfmg/upstream.h"
+
+namespace tfmg {
+
+struct pool_config {
+  std::size_t max_bytes = 0;  // 0: pass-through until set_limit()
+  std::size_t alignment = 0;  // 0: upstream default
+  std::size_t region_bytes = 2u << 20;
+  std::size_t small_threshold = 1u << 20;
+  std::size_t trace_capacity = 0;
+};
+
+// Thrown by the pool (and turned into statuses by the C API). Carries a message with
+// numbers, as the user should see it.
+struct pool_error {
+  tfmg_status status;
+  std::string message;
+};
+
+class pool {
+ public:
+  pool(std::unique_ptr<upstream> up, const pool_config& config);
+  ~pool();
+  pool(const pool&) = delete;
+  pool& operator=(const pool&) = delete;
+
+  // Returns nullptr with *error set on failure (never throws on the hot path).
+  void* allocate(std::size_t bytes, std::size_t alignment, unsigned flags, pool_error* error);
+  // Returns false with *error set for unknown pointers and double frees.
+  bool deallocate(void* p, std::size_t* size_out, pool_error* error);
+  bool block_size(const void* p, std::size_t* out) const;
+
+  bool set_limit(std::size_t max_bytes, pool_error* error);
+  tfmg_stats stats() const;
+  void clear_stats();
+  void reset_peak();
+  bool last_refusal(tfmg_refusal* out) const;
+  std::size_t release_unused();
+  std::size_t in_use_blocks() const;
+  // Releases everything to the upstream, in use or not. Used by destroy(force).
+  void release_all();
+
+  std::vector<tfmg_trace_event> trace(std::uint64_t* dropped) const;
+  void trace_clear();
+
+  // Walks every invariant; returns false with *why naming the first broken one.
+  bool is_valid(std::string* why) const;
+  std::string describe() const;
+
+  const upstream& source() const { return *upstream_; }
+  std::size_t granule() const { return granule_; }
+
+ private:
+  struct region;
+  struct block {
+    std::uintptr_t addr;
+    std::size_t size;
+    block* prev;  // address neighbours in the same region; null at the ends
+    block* next;
+    region* owner;
+    bool free;
+  };
+  struct region {
+    std::uintptr_t base;
+    std::size_t size;
+    int index;
+    block* first;
+  };
+  struct by_size_then_addr {
+    bool operator()(const block* a, const block* b) const {
+      return a->size != b->size ? a->size < b->size : a->addr < b->addr;
+    }
+  };
+  struct direct_block {
+    std::size_t size;
+    std::size_t alignment;
+    bool overshoot;  // false: pass-through (predates the budget)
+  };
+
+  using free_set = std::set<block*, by_size_then_addr, node_allocator<block*>>;
+  using live_map = std::unordered_map<std::uintptr_t, block*, std::hash<std::uintptr_t>,
+                                      std::equal_to<std::uintptr_t>,
+                                      node_allocator<std::pair<const std::uintptr_t, block*>>>;
+  using direct_map =
+      std::unordered_map<std::uintptr_t, direct_block, std::hash<std::uintptr_t>,
+                         std::equal_to<std::uintptr_t>,
+                         node_allocator<std::pair<const std::uintptr_t, direct_block>>>;
+
+  // All _locked members require mutex_ held.
+  block* find_fit_locked(std::size_t size, std::size_t alignment, bool small);
+  block* carve_locked(block* b, std::size_t size, std::size_t alignment, bool small);
+  bool grow_locked(std::size_t size, std::size_t alignment);
+  std::size_t release_unused_locked();
+  void* allocate_direct_locked(std::size_t size, std::size_t alignment, bool overshoot,
+                               pool_error* error);
+  void free_block_locked(block* b);
+  void refuse_locked(std::size_t bytes, std::size_t alignment, pool_error* error);
+  void note_alloc_locked(std::size_t size);
+  std::size_t largest_free_locked() const;
+  std::size_t largest_allocatable_locked() const;
+  void fill_stats_locked(tfmg_stats* s) const;
+  std::string state_locked() const;
+  block* new_block_locked();
+  void recycle_block_locked(block* b);
+  void describe_pointer_error_locked(std::uintptr_t p, pool_error* error) const;
+
+  std::unique_ptr<upstream> upstream_;
+  const std::size_t granule_;
+  const std::size_t small_threshold_;
+  const std::size_t first_region_bytes_;
+
+  mutable std::mutex mutex_;
+  node_arena arena_;  // declared before the containers that use it
+  free_set free_;
+  live_map live_;
+  direct_map direct_;
+  std::vector<std::unique_ptr<region>> regions_;
+  std::vector<block*> spare_blocks_;
+  std::vector<std::unique_ptr<block[]>> block_chunks_;
+  std::size_t next_region_bytes_;
+  int next_region_index_ = 0;
+
+  std::size_t limit_;  // 0: pass-through
+  std::size_t pooled_in_use_ = 0;
+  std::size_t passthrough_in_use_ = 0;
+  std::size_t overshoot_in_use_ = 0;
+  std::size_t reserved_ = 0;
+
+  std::int64_t num_allocs_ = 0;
+  std::int64_t num_frees_ = 0;
+  std::int64_t num_refusals_ = 0;
+  std::int64_t num_overshoots_ = 0;
+  std::size_t peak_in_use_ = 0;
+  std::size_t window_peak_ = 0;
+  std::size_t peak_reserved_ = 0;
+  std::size_t peak_overshoot_ = 0;
+  std::size_t largest_alloc_ = 0;
+  bool has_refusal_ = false;
+  tfmg_refusal last_refusal_{};
+
+  trace_recorder trace_;
+};
+
+// "1.25 GiB", "512 B": sizes as the user should read them.
+std::string format_bytes(std::uint64_t bytes);
+
+}  // namespace tfmg
+
+#endif  // TFMG_POOL_H_

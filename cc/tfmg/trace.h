@@ -1,0 +1,65 @@
+// A bounded recorder of allocation events, for replay by benchmarks and reports.
+//
+// A ring buffer: when full, the oldest event is overwritten and counted as dropped, so
+// a long run keeps its most recent `capacity` events and memory stays bounded. Not
+// thread-safe on its own; the pool calls it under its lock.
+#ifndef TFMG_TRACE_H_
+#define TFMG_TRACE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "cc/tfmg/c_api.h"
+
+namespace tfmg {
+
+class trace_recorder {
+ public:
+  explicit trace_recorder(std::size_t capacity) : capacity_(capacity) {}
+
+  bool enabled() const { return capacity_ != 0; }
+
+  void record(tfmg_trace_op op, int region, std::uint64_t size, std::uint64_t offset,
+              std::uint64_t address) {
+    if (capacity_ == 0) return;
+    tfmg_trace_event e{sequence_++, static_cast<std::uint32_t>(op), region, size, offset,
+                       address};
+    if (events_.size() < capacity_) {
+      events_.push_back(e);
+    } else {
+      events_[head_] = e;
+      head_ = (head_ + 1) % capacity_;
+      ++dropped_;
+    }
+  }
+
+  // Oldest first.
+  std::vector<tfmg_trace_event> events() const {
+    std::vector<tfmg_trace_event> out;
+    out.reserve(events_.size());
+    for (std::size_t i = 0; i < events_.size(); ++i) {
+      out.push_back(events_[(head_ + i) % events_.size()]);
+    }
+    return out;
+  }
+
+  std::uint64_t dropped() const { return dropped_; }
+
+  void clear() {
+    events_.clear();
+    head_ = 0;
+    dropped_ = 0;
+  }
+
+ private:
+  std::size_t capacity_;
+  std::vector<tfmg_trace_event> events_;
+  std::size_t head_ = 0;  // index of the oldest event once the buffer is full
+  std::uint64_t sequence_ = 0;
+  std::uint64_t dropped_ = 0;
+};
+
+}  // namespace tfmg
+
+#endif  // TFMG_TRACE_H_

@@ -1,0 +1,40 @@
+// The seam between the pool and where its memory comes from.
+//
+// An upstream hands out large, rarely requested pieces of memory: the pool's regions,
+// and the occasional block served outside the budget (pass-through and overshoot).
+// The pool serializes all calls to its upstream under its own lock, so an upstream
+// need not be thread-safe. Host memory is the only upstream of this file's first
+// version; a CUDA upstream implements the same interface.
+#ifndef TFMG_UPSTREAM_H_
+#define TFMG_UPSTREAM_H_
+
+#include <cstddef>
+#include <memory>
+
+namespace tfmg {
+
+class upstream {
+ public:
+  virtual ~upstream() = default;
+
+  // Returns memory of at least `bytes`, aligned to `alignment` (a power of two no
+  // larger than page_size() for regions), or nullptr when the upstream has none.
+  virtual void* allocate(std::size_t bytes, std::size_t alignment) = 0;
+  // Returns memory obtained from allocate() with the same bytes and alignment.
+  virtual void deallocate(void* p, std::size_t bytes, std::size_t alignment) = 0;
+
+  // The alignment every block gets unless the request asks for more.
+  virtual std::size_t default_alignment() const = 0;
+  // Regions are multiples of this.
+  virtual std::size_t page_size() const = 0;
+  // The memory the device has (host: physical memory or the cgroup limit if lower).
+  virtual std::size_t total_memory() const = 0;
+  virtual const char* name() const = 0;
+};
+
+// Host memory: mmap for pieces of at least one page-multiple MiB, aligned malloc below.
+std::unique_ptr<upstream> make_host_upstream();
+
+}  // namespace tfmg
+
+#endif  // TFMG_UPSTREAM_H_

@@ -1,0 +1,378 @@
+// C++ tests of the core through its C interface; built plain and under
+// AddressSanitizer + UndefinedBehaviorSanitizer (see CMakeLists.txt and .ci/run).
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cc/tfmg/c_api.h"
+
+namespace {
+
+int g_failed_checks = 0;
+
+#define CHECK(cond)                                                              \
+  do {                                                                           \
+    if (!(cond)) {                                                               \
+      std::fprintf(stderr, "  %s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      ++g_failed_checks;                                                         \
+    }                                                                            \
+  } while (0)
+
+#define CHECK_OK(expr) CHECK((expr) == TFMG_OK)
+
+constexpr uint64_t MiB = 1u << 20;
+
+tfmg_pool* make_pool(uint64_t budget, uint64_t region = 0, uint64_t trace = 0) {
+  tfmg_pool_options o;
+  tfmg_pool_options_init(&o);
+  o.max_bytes = budget;
+  o.region_bytes = region;
+  o.trace_capacity = trace;
+  tfmg_pool* p = nullptr;
+  if (tfmg_pool_create(&o, &p) != TFMG_OK) std::abort();
+  return p;
+}
+
+tfmg_stats stats(tfmg_pool* p) {
+  tfmg_stats s;
+  tfmg_pool_get_stats(p, &s);
+  return s;
+}
+
+bool valid(tfmg_pool* p) {
+  if (tfmg_pool_check(p) == TFMG_OK) return true;
+  std::fprintf(stderr, "  invalid pool: %s\n", tfmg_last_error());
+  return false;
+}
+
+void* alloc(tfmg_pool* p, uint64_t n, uint64_t align = 0) {
+  void* ptr = nullptr;
+  tfmg_pool_allocate(p, n, align, TFMG_ALLOC_DEFAULT, &ptr);
+  return ptr;
+}
+
+void test_allocations_are_aligned_counted_and_freed() {
+  tfmg_pool* p = make_pool(64 * MiB);
+  void* a = alloc(p, 100);
+  void* b = alloc(p, 3 * MiB);
+  void* c = alloc(p, 5000, 4096);
+  CHECK(a && b && c);
+  CHECK(reinterpret_cast<uintptr_t>(a) % 64 == 0);
+  CHECK(reinterpret_cast<uintptr_t>(c) % 4096 == 0);
+  tfmg_stats s = stats(p);
+  CHECK(s.num_allocs == 3);
+  CHECK(s.bytes_in_use == 128 + 3 * MiB + 5056);
+  CHECK(s.largest_alloc_size == 3 * MiB);
+  CHECK(s.bytes_reserved <= 64 * MiB);
+  std::memset(a, 1, 100);
+  std::memset(b, 2, 3 * MiB);
+  std::memset(c, 3, 5000);
+  CHECK(valid(p));
+  CHECK_OK(tfmg_pool_deallocate(p, a, nullptr));
+  CHECK_OK(tfmg_pool_deallocate(p, b, nullptr));
+  CHECK_OK(tfmg_pool_deallocate(p, c, nullptr));
+  s = stats(p);
+  CHECK(s.bytes_in_use == 0);
+  CHECK(s.peak_bytes_in_use == 128 + 3 * MiB + 5056);
+  CHECK(s.num_frees == 3);
+  // Everything coalesced back to one free block per region: the first region (2 MiB)
+  // and the doubled second one (4 MiB) that the 3 MiB block needed.
+  CHECK(s.num_regions == 2);
+  CHECK(s.bytes_free == 6 * MiB && s.largest_free_block_bytes == 4 * MiB);
+  CHECK(s.fragmentation > 0.333 && s.fragmentation < 0.334);  // 1 - 4/6
+  CHECK(valid(p));
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
+void test_best_fit_takes_the_smallest_hole_that_fits() {
+  tfmg_pool* p = make_pool(64 * MiB, 64 * MiB);  // one region
+  // Holes of 3 MiB and 2 MiB separated by live blocks; a 2 MiB request takes the 2 MiB hole.
+  void* a = alloc(p, 3 * MiB);
+  void* k1 = alloc(p, 1 * MiB);
+  void* b = alloc(p, 2 * MiB);
+  void* k2 = alloc(p, 1 * MiB);
+  CHECK_OK(tfmg_pool_deallocate(p, a, nullptr));
+  CHECK_OK(tfmg_pool_deallocate(p, b, nullptr));
+  void* c = alloc(p, 2 * MiB);
+  CHECK(c == b);
+  CHECK(valid(p));
+  tfmg_pool_deallocate(p, c, nullptr);
+  tfmg_pool_deallocate(p, k1, nullptr);
+  tfmg_pool_deallocate(p, k2, nullptr);
+  tfmg_stats s = stats(p);
+  CHECK(s.largest_free_block_bytes == s.bytes_reserved);
+  CHECK(valid(p));
+  tfmg_pool_destroy(p, 0);
+}
+
+void test_over_budget_request_fails_and_leaves_counters_unchanged() {
+  tfmg_pool* p = make_pool(8 * MiB);
+  void* a = alloc(p, 5 * MiB);
+  CHECK(a != nullptr);
+  tfmg_stats before = stats(p);
+  void* b = nullptr;
+  CHECK(tfmg_pool_allocate(p, 4 * MiB, 0, 0, &b) == TFMG_ERROR_OUT_OF_MEMORY);
+  CHECK(b == nullptr);
+  const std::string msg = tfmg_last_error();
+  CHECK(msg.find("cannot allocate 4.00 MiB (4194304 bytes)") != std::string::npos);
+  CHECK(msg.find("8.00 MiB budget") != std::string::npos);
+  tfmg_stats after = stats(p);
+  CHECK(after.bytes_in_use == before.bytes_in_use);
+  CHECK(after.bytes_reserved == before.bytes_reserved);
+  CHECK(after.num_allocs == before.num_allocs);
+  CHECK(after.num_refusals == before.num_refusals + 1);
+  tfmg_refusal r;
+  CHECK_OK(tfmg_pool_last_refusal(p, &r));
+  CHECK(r.requested_bytes == 4 * MiB);
+  CHECK(r.bytes_limit == 8 * MiB);
+  CHECK(r.bytes_in_use == 5 * MiB);
+  // Still usable: a request that fits succeeds.
+  void* c = alloc(p, 2 * MiB);
+  CHECK(c != nullptr);
+  // A huge request is refused, not crashed on.
+  CHECK(tfmg_pool_allocate(p, UINT64_MAX, 0, 0, &b) == TFMG_ERROR_OUT_OF_MEMORY);
+  CHECK(tfmg_pool_allocate(p, (1ull << 63) + 5, 0, 0, &b) == TFMG_ERROR_OUT_OF_MEMORY);
+  CHECK(valid(p));
+  tfmg_pool_deallocate(p, a, nullptr);
+  tfmg_pool_deallocate(p, c, nullptr);
+  tfmg_pool_destroy(p, 0);
+}
+
+void test_reserved_bytes_never_exceed_the_budget_and_empty_regions_are_reused() {
+  tfmg_pool* p = make_pool(10 * MiB, 1 * MiB);  // regions 1, 2, 4 MiB, ...
+  std::vector<void*> v;
+  for (int i = 0; i < 7; ++i) v.push_back(alloc(p, 1 * MiB));
+  for (void* x : v) CHECK(x != nullptr);
+  CHECK(stats(p).bytes_reserved == 7 * MiB);
+  for (void* x : v) tfmg_pool_deallocate(p, x, nullptr);
+  // 3 MiB left unreserved: a 9 MiB block only fits after the empty regions go back.
+  void* big = alloc(p, 9 * MiB);
+  CHECK(big != nullptr);
+  CHECK(stats(p).bytes_reserved <= 10 * MiB);
+  CHECK(valid(p));
+  tfmg_pool_deallocate(p, big, nullptr);
+  uint64_t released = 0;
+  CHECK_OK(tfmg_pool_release_unused(p, &released));
+  CHECK(released >= 9 * MiB);
+  CHECK(stats(p).bytes_reserved == 0);
+  CHECK(valid(p));
+  tfmg_pool_destroy(p, 0);
+}
+
+void test_zero_bytes_gets_a_unique_freeable_block() {
+  tfmg_pool* p = make_pool(1 * MiB);
+  void* a = alloc(p, 0);
+  void* b = alloc(p, 0);
+  CHECK(a && b && a != b);
+  CHECK(stats(p).bytes_in_use == 128);
+  CHECK_OK(tfmg_pool_deallocate(p, a, nullptr));
+  CHECK_OK(tfmg_pool_deallocate(p, b, nullptr));
+  CHECK(valid(p));
+  tfmg_pool_destroy(p, 0);
+}
+
+void test_bad_frees_are_reported_and_change_nothing() {
+  tfmg_pool* p = make_pool(4 * MiB);
+  char* a = static_cast<char*>(alloc(p, 1000));
+  char* b = static_cast<char*>(alloc(p, 1000));
+  tfmg_stats before = stats(p);
+  int local = 0;
+  CHECK(tfmg_pool_deallocate(p, &local, nullptr) == TFMG_ERROR_UNKNOWN_POINTER);
+  CHECK(std::string(tfmg_last_error()).find("not a pointer handed out by this pool") != std::string::npos);
+  CHECK(tfmg_pool_deallocate(p, a + 64, nullptr) == TFMG_ERROR_UNKNOWN_POINTER);
+  CHECK(std::string(tfmg_last_error()).find("not at its start") != std::string::npos);
+  CHECK_OK(tfmg_pool_deallocate(p, a, nullptr));
+  CHECK(tfmg_pool_deallocate(p, a, nullptr) == TFMG_ERROR_DOUBLE_FREE);
+  CHECK(std::string(tfmg_last_error()).find("double free") != std::string::npos);
+  CHECK(stats(p).bytes_in_use == before.bytes_in_use - 1024);
+  CHECK_OK(tfmg_pool_deallocate(p, nullptr, nullptr));
+  CHECK(valid(p));
+  void* c = nullptr;
+  CHECK(tfmg_pool_allocate(p, 64, 3, 0, &c) == TFMG_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(tfmg_last_error()).find("alignment=3") != std::string::npos);
+  // Destroy refuses while blocks are in use.
+  CHECK(tfmg_pool_destroy(p, 0) == TFMG_ERROR_INVALID_STATE);
+  CHECK_OK(tfmg_pool_deallocate(p, b, nullptr));
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
+void test_must_succeed_requests_overshoot_and_are_counted() {
+  tfmg_pool* p = make_pool(2 * MiB);
+  void* a = alloc(p, 2 * MiB);
+  void* b = nullptr;
+  CHECK_OK(tfmg_pool_allocate(p, 3 * MiB, 0, TFMG_ALLOC_MUST_SUCCEED, &b));
+  CHECK(b != nullptr);
+  std::memset(b, 7, 3 * MiB);
+  tfmg_stats s = stats(p);
+  CHECK(s.overshoot_bytes_in_use == 3 * MiB);
+  CHECK(s.num_overshoots == 1);
+  CHECK(s.num_refusals == 0);
+  CHECK(s.bytes_reserved <= 2 * MiB);
+  CHECK(s.bytes_in_use == 5 * MiB);
+  CHECK(valid(p));
+  CHECK_OK(tfmg_pool_deallocate(p, b, nullptr));
+  s = stats(p);
+  CHECK(s.overshoot_bytes_in_use == 0);
+  CHECK(s.peak_overshoot_bytes == 3 * MiB);
+  tfmg_pool_deallocate(p, a, nullptr);
+  tfmg_pool_destroy(p, 0);
+}
+
+void test_passthrough_blocks_survive_setting_a_budget() {
+  tfmg_pool* p = make_pool(0);
+  void* a = alloc(p, 5000);
+  CHECK(a != nullptr);
+  CHECK(stats(p).passthrough_bytes_in_use == 5056);
+  CHECK(stats(p).bytes_reserved == 0);
+  CHECK_OK(tfmg_pool_set_limit(p, 4 * MiB));
+  void* b = alloc(p, 1000);
+  CHECK(b != nullptr);
+  tfmg_stats s = stats(p);
+  CHECK(s.bytes_limit == 4 * MiB);
+  CHECK(s.bytes_reserved > 0);
+  CHECK(s.bytes_in_use == 5056 + 1024);
+  CHECK_OK(tfmg_pool_deallocate(p, a, nullptr));
+  CHECK(stats(p).passthrough_bytes_in_use == 0);
+  CHECK(tfmg_pool_set_limit(p, 0) == TFMG_ERROR_INVALID_ARGUMENT);
+  CHECK_OK(tfmg_pool_deallocate(p, b, nullptr));
+  CHECK(valid(p));
+  tfmg_pool_destroy(p, 0);
+}
+
+void test_trace_records_events_in_order_and_is_bounded() {
+  tfmg_pool* p = make_pool(4 * MiB, 0, 4);
+  void* a = alloc(p, 100);
+  void* b = alloc(p, 200);
+  tfmg_pool_deallocate(p, a, nullptr);
+  tfmg_trace_event ev[8];
+  uint64_t n = 0, dropped = 0;
+  CHECK_OK(tfmg_pool_trace(p, ev, 8, &n, &dropped));
+  CHECK(n == 3 && dropped == 0);
+  CHECK(ev[0].op == TFMG_TRACE_ALLOC && ev[0].size == 128);
+  CHECK(ev[1].op == TFMG_TRACE_ALLOC && ev[1].size == 256);
+  CHECK(ev[2].op == TFMG_TRACE_FREE && ev[2].address == reinterpret_cast<uintptr_t>(a));
+  CHECK(ev[0].sequence < ev[1].sequence && ev[1].sequence < ev[2].sequence);
+  tfmg_pool_deallocate(p, b, nullptr);
+  void* c = alloc(p, 300);
+  CHECK_OK(tfmg_pool_trace(p, ev, 8, &n, &dropped));
+  CHECK(n == 4 && dropped == 1);
+  CHECK(ev[0].op == TFMG_TRACE_ALLOC && ev[0].size == 256);  // the oldest was dropped
+  tfmg_pool_deallocate(p, c, nullptr);
+  tfmg_pool_destroy(p, 0);
+}
+
+void test_random_operations_keep_every_invariant() {
+  std::mt19937_64 rng(7);
+  for (int round = 0; round < 4; ++round) {
+    tfmg_pool* p = make_pool((round + 1) * 16 * MiB, round == 3 ? UINT64_MAX : 0);
+    std::vector<std::pair<void*, uint64_t>> live;
+    for (int i = 0; i < 20000; ++i) {
+      if (live.empty() || (rng() % 100) < 55) {
+        uint64_t n = uint64_t{1} << (rng() % 22);
+        n += rng() % n;
+        uint64_t align = (rng() % 10 == 0) ? (uint64_t{1} << (6 + rng() % 8)) : 0;
+        void* x = alloc(p, n, align);
+        if (x != nullptr) {
+          if (align) CHECK(reinterpret_cast<uintptr_t>(x) % align == 0);
+          std::memset(x, 0xab, std::min<uint64_t>(n, 256));
+          live.emplace_back(x, n);
+        }
+      } else {
+        size_t k = rng() % live.size();
+        CHECK_OK(tfmg_pool_deallocate(p, live[k].first, nullptr));
+        live[k] = live.back();
+        live.pop_back();
+      }
+      if (i % 2000 == 0) CHECK(valid(p));
+      CHECK(stats(p).bytes_reserved <= static_cast<int64_t>((round + 1) * 16 * MiB));
+    }
+    for (auto& x : live) CHECK_OK(tfmg_pool_deallocate(p, x.first, nullptr));
+    tfmg_stats s = stats(p);
+    CHECK(s.bytes_in_use == 0);
+    CHECK(s.bytes_free == s.bytes_reserved);
+    CHECK(s.num_regions == 0 || s.fragmentation < 1.0);
+    CHECK(valid(p));
+    CHECK_OK(tfmg_pool_destroy(p, 0));
+  }
+}
+
+void test_many_threads_keep_the_pool_valid() {
+  tfmg_pool* p = make_pool(256 * MiB);
+  constexpr int kThreads = 8;
+  constexpr int kOps = 25000;  // 200,000 operations in all
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      std::vector<std::pair<unsigned char*, uint64_t>> mine;
+      for (int i = 0; i < kOps; ++i) {
+        if (mine.size() < 64 && (mine.empty() || rng() % 2)) {
+          uint64_t n = 64 + rng() % 65536;
+          auto* x = static_cast<unsigned char*>(alloc(p, n));
+          if (x == nullptr) continue;
+          std::memset(x, t, n);  // overlapping blocks would corrupt another thread's bytes
+          mine.emplace_back(x, n);
+        } else {
+          size_t k = rng() % mine.size();
+          auto [x, n] = mine[k];
+          if (x[0] != t || x[n - 1] != t) failures++;
+          if (tfmg_pool_deallocate(p, x, nullptr) != TFMG_OK) failures++;
+          mine[k] = mine.back();
+          mine.pop_back();
+        }
+      }
+      for (auto& [x, n] : mine) {
+        if (x[0] != t || x[n - 1] != t) failures++;
+        tfmg_pool_deallocate(p, x, nullptr);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(failures.load() == 0);
+  CHECK(stats(p).bytes_in_use == 0);
+  CHECK(stats(p).num_allocs == stats(p).num_frees);
+  CHECK(valid(p));
+  tfmg_pool_destroy(p, 0);
+}
+
+}  // namespace
+
+int main() {
+  struct test {
+    const char* name;
+    void (*fn)();
+  };
+  const test tests[] = {
+      {"allocations_are_aligned_counted_and_freed", test_allocations_are_aligned_counted_and_freed},
+      {"best_fit_takes_the_smallest_hole_that_fits", test_best_fit_takes_the_smallest_hole_that_fits},
+      {"over_budget_request_fails_and_leaves_counters_unchanged",
+       test_over_budget_request_fails_and_leaves_counters_unchanged},
+      {"reserved_bytes_never_exceed_the_budget_and_empty_regions_are_reused",
+       test_reserved_bytes_never_exceed_the_budget_and_empty_regions_are_reused},
+      {"zero_bytes_gets_a_unique_freeable_block", test_zero_bytes_gets_a_unique_freeable_block},
+      {"bad_frees_are_reported_and_change_nothing", test_bad_frees_are_reported_and_change_nothing},
+      {"must_succeed_requests_overshoot_and_are_counted", test_must_succeed_requests_overshoot_and_are_counted},
+      {"passthrough_blocks_survive_setting_a_budget", test_passthrough_blocks_survive_setting_a_budget},
+      {"trace_records_events_in_order_and_is_bounded", test_trace_records_events_in_order_and_is_bounded},
+      {"random_operations_keep_every_invariant", test_random_operations_keep_every_invariant},
+      {"many_threads_keep_the_pool_valid", test_many_threads_keep_the_pool_valid},
+  };
+  int passed = 0, failed = 0;
+  for (const test& t : tests) {
+    const int before = g_failed_checks;
+    t.fn();
+    const bool ok = g_failed_checks == before;
+    std::printf("%s %s\n", ok ? "PASS" : "FAIL", t.name);
+    (ok ? passed : failed)++;
+  }
+  std::printf("%d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}
