@@ -42,15 +42,51 @@ pool::pool(std::unique_ptr<upstream> up, const pool_config& config)
       granule_(config.alignment != 0 ? config.alignment : upstream_->default_alignment()),
       small_threshold_(config.small_threshold),
       first_region_bytes_(config.region_bytes),
-      free_(by_size_then_addr{}, node_allocator<block*>(&arena_)),
-      live_(64, std::hash<std::uintptr_t>{}, std::equal_to<std::uintptr_t>{},
-            node_allocator<std::pair<const std::uintptr_t, block*>>(&arena_)),
       direct_(16, std::hash<std::uintptr_t>{}, std::equal_to<std::uintptr_t>{},
               node_allocator<std::pair<const std::uintptr_t, direct_block>>(&arena_)),
       next_region_bytes_(config.region_bytes),
       limit_(config.max_bytes),
       trace_(config.trace_capacity) {
   assert(is_pow2(granule_));
+  bins_.reserve(kBins);
+  for (unsigned i = 0; i < kBins; ++i) {
+    bins_.emplace_back(std::less<free_key>{}, node_allocator<free_key>(&arena_));
+  }
+}
+
+// Eight classes per power of two: [2^k, 2^k * 9/8), [2^k * 9/8, 2^k * 10/8), ...
+unsigned pool::bin_of(std::size_t size) {
+  const unsigned log2 = 63u - static_cast<unsigned>(__builtin_clzll(size));
+  if (log2 < 3) return static_cast<unsigned>(size);
+  return log2 * 8 + static_cast<unsigned>((size >> (log2 - 3)) & 7);
+}
+
+void pool::insert_free_locked(block* b) {
+  b->bin = bin_of(b->size);
+  b->where = bins_[b->bin].insert(free_key{b->size, b->addr, b}).first;
+  bin_bits_[b->bin / 64] |= std::uint64_t{1} << (b->bin % 64);
+}
+
+void pool::erase_free_locked(block* b) {
+  free_set& set = bins_[b->bin];
+  set.erase(b->where);
+  if (set.empty()) bin_bits_[b->bin / 64] &= ~(std::uint64_t{1} << (b->bin % 64));
+}
+
+pool::block* pool::largest_free_block_locked() const {
+  for (unsigned w = kBins / 64; w-- > 0;) {
+    if (bin_bits_[w] != 0) {
+      const unsigned bin = w * 64 + 63u - static_cast<unsigned>(__builtin_clzll(bin_bits_[w]));
+      return bins_[bin].rbegin()->b;
+    }
+  }
+  return nullptr;
+}
+
+std::size_t pool::free_block_count_locked() const {
+  std::size_t n = 0;
+  for (const free_set& set : bins_) n += set.size();
+  return n;
 }
 
 pool::~pool() { release_all(); }
@@ -87,7 +123,7 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
     return nullptr;
   }
   b = carve_locked(b, size, alignment, small);
-  live_.emplace(b->addr, b);
+  live_.insert(b->addr, b);
   pooled_in_use_ += b->size;
   note_alloc_locked(b->size);
   if (trace_.enabled()) {
@@ -99,67 +135,126 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
 pool::block* pool::find_fit_locked(std::size_t size, std::size_t alignment, bool small) {
   // With an alignment above the granule, a block this much larger always has room
   // for the padding in front.
-  block key{};
-  key.size = size + (alignment > granule_ ? alignment - granule_ : 0);
-  key.addr = 0;
-  auto it = free_.lower_bound(&key);
-  if (it == free_.end()) return nullptr;
-  if (!small) return *it;
+  free_key key{size + (alignment > granule_ ? alignment - granule_ : 0), 0, nullptr};
+  unsigned bin = bin_of(key.size);
+  const free_set* set = &bins_[bin];
+  auto it = set->lower_bound(key);
+  if (it == set->end()) {
+    // The smallest block of the next non-empty bin: one bitmap scan.
+    ++bin;
+    unsigned w = bin / 64;
+    if (w >= kBins / 64) return nullptr;
+    std::uint64_t bits = bin_bits_[w] & (~std::uint64_t{0} << (bin % 64));
+    while (bits == 0) {
+      if (++w == kBins / 64) return nullptr;
+      bits = bin_bits_[w];
+    }
+    set = &bins_[w * 64 + static_cast<unsigned>(__builtin_ctzll(bits))];
+    it = set->begin();
+  }
+  if (!small) return it->b;
   // Among the free blocks of the best size, the one at the highest address.
-  key.size = (*it)->size;
+  key.size = it->size;
   key.addr = std::numeric_limits<std::uintptr_t>::max();
-  return *std::prev(free_.upper_bound(&key));
+  return std::prev(set->upper_bound(key))->b;
 }
 
 pool::block* pool::carve_locked(block* b, std::size_t size, std::size_t alignment, bool small) {
-  free_.erase(b);
-  auto link_after = [](block* at, block* nb) {
-    nb->prev = at;
-    nb->next = at->next;
-    nb->owner = at->owner;
-    if (at->next != nullptr) at->next->prev = nb;
-    at->next = nb;
-  };
+  // The chosen free block keeps its tree node where it can: the rest of it stays free
+  // and is re-keyed in place, and a new block object describes the part handed out.
   if (alignment > granule_) {
     const std::size_t pad = round_up(b->addr, alignment) - b->addr;
     if (pad != 0) {
+      // The padding in front stays free as b; carve from a new free block after it.
       block* nb = new_block_locked();
       nb->addr = b->addr + pad;
       nb->size = b->size - pad;
       nb->free = true;
       link_after(b, nb);
-      b->size = pad;
-      free_.insert(b);
+      rekey_free_locked(b, b->addr, pad);
+      insert_free_locked(nb);
       b = nb;
     }
+    small = false;
   }
-  if (b->size > size) {
-    const std::size_t rest = b->size - size;
-    block* nb = new_block_locked();
-    if (small) {
-      // The block handed out is the high end; the low end stays free.
-      nb->addr = b->addr + rest;
-      nb->size = size;
-      nb->free = false;
-      link_after(b, nb);
-      b->size = rest;
-      free_.insert(b);
-      return nb;
+  if (b->size == size) {
+    erase_free_locked(b);
+    b->free = false;
+    return b;
+  }
+  block* used = new_block_locked();
+  used->size = size;
+  used->free = false;
+  const std::size_t rest = b->size - size;
+  if (small) {
+    // Handed out from the high end; the low end stays free.
+    used->addr = b->addr + rest;
+    link_after(b, used);
+    rekey_free_locked(b, b->addr, rest);
+  } else {
+    used->addr = b->addr;
+    link_before(b, used);
+    rekey_free_locked(b, b->addr + size, rest);
+  }
+  return used;
+}
+
+void pool::link_after(block* at, block* nb) {
+  nb->prev = at;
+  nb->next = at->next;
+  nb->owner = at->owner;
+  if (at->next != nullptr) at->next->prev = nb;
+  at->next = nb;
+}
+
+void pool::link_before(block* at, block* nb) {
+  nb->next = at;
+  nb->prev = at->prev;
+  nb->owner = at->owner;
+  if (at->prev != nullptr) {
+    at->prev->next = nb;
+  } else {
+    at->owner->first = nb;
+  }
+  at->prev = nb;
+}
+
+void pool::unlink(block* x) {
+  if (x->prev != nullptr) {
+    x->prev->next = x->next;
+  } else {
+    x->owner->first = x->next;
+  }
+  if (x->next != nullptr) x->next->prev = x->prev;
+}
+
+void pool::rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size) {
+  // When the new key stays in the same bin and between the same tree neighbours, the
+  // node is updated in place: no erase, no insert, no rebalancing.
+  const free_key key{size, addr, b};
+  if (bin_of(size) == b->bin) {
+    free_set& set = bins_[b->bin];
+    const bool after_prev = b->where == set.begin() || *std::prev(b->where) < key;
+    const bool before_next = std::next(b->where) == set.end() || key < *std::next(b->where);
+    if (after_prev && before_next) {
+      b->where->size = size;
+      b->where->addr = addr;
+      b->addr = addr;
+      b->size = size;
+      return;
     }
-    nb->addr = b->addr + size;
-    nb->size = rest;
-    nb->free = true;
-    link_after(b, nb);
-    b->size = size;
-    free_.insert(nb);
   }
-  b->free = false;
-  return b;
+  erase_free_locked(b);
+  b->addr = addr;
+  b->size = size;
+  insert_free_locked(b);
 }
 
 bool pool::grow_locked(std::size_t size, std::size_t alignment) {
+  // The same slack find_fit_locked asks for, so the new region always serves the
+  // request that made it (a region never stays reserved for a request then refused).
   const std::size_t page = upstream_->page_size();
-  const std::size_t extra = alignment > page ? alignment - page : 0;
+  const std::size_t extra = alignment > granule_ ? alignment - granule_ : 0;
   const std::size_t need = round_up(size + extra, page);
   if (need > limit_ || need < size) return false;
   if (need > limit_ - reserved_) {
@@ -192,7 +287,7 @@ bool pool::grow_locked(std::size_t size, std::size_t alignment) {
   b->owner = r.get();
   b->free = true;
   r->first = b;
-  free_.insert(b);
+  insert_free_locked(b);
   regions_.push_back(std::move(r));
   reserved_ += want;
   peak_reserved_ = std::max(peak_reserved_, reserved_);
@@ -267,10 +362,7 @@ bool pool::deallocate(void* p, std::size_t* size_out, pool_error* error) {
   }
   const auto addr = reinterpret_cast<std::uintptr_t>(p);
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = live_.find(addr);
-  if (it != live_.end()) {
-    block* b = it->second;
-    live_.erase(it);
+  if (block* b = live_.erase(addr)) {
     pooled_in_use_ -= b->size;
     ++num_frees_;
     if (size_out != nullptr) *size_out = b->size;
@@ -296,33 +388,31 @@ bool pool::deallocate(void* p, std::size_t* size_out, pool_error* error) {
 }
 
 void pool::free_block_locked(block* b) {
-  // Coalesce with free neighbours: O(1) through the address links, plus the tree
-  // erases of the neighbours.
-  b->free = true;
-  auto unlink = [](block* x) {
-    if (x->prev != nullptr) {
-      x->prev->next = x->next;
-    } else {
-      x->owner->first = x->next;
-    }
-    if (x->next != nullptr) x->next->prev = x->prev;
-  };
-  if (b->prev != nullptr && b->prev->free) {
-    block* p = b->prev;
-    free_.erase(p);
-    p->size += b->size;
+  // Coalesce through the address links, O(1) to find the neighbours; a free neighbour
+  // absorbs b (its tree node re-keyed in place where order allows).
+  block* prev = (b->prev != nullptr && b->prev->free) ? b->prev : nullptr;
+  block* next = (b->next != nullptr && b->next->free) ? b->next : nullptr;
+  if (prev != nullptr) {
+    std::size_t size = prev->size + b->size;
     unlink(b);
     recycle_block_locked(b);
-    b = p;
+    if (next != nullptr) {
+      size += next->size;
+      erase_free_locked(next);
+      unlink(next);
+      recycle_block_locked(next);
+    }
+    rekey_free_locked(prev, prev->addr, size);
+  } else if (next != nullptr) {
+    const std::uintptr_t addr = b->addr;
+    const std::size_t size = b->size + next->size;
+    unlink(b);
+    recycle_block_locked(b);
+    rekey_free_locked(next, addr, size);
+  } else {
+    b->free = true;
+    insert_free_locked(b);
   }
-  if (b->next != nullptr && b->next->free) {
-    block* n = b->next;
-    free_.erase(n);
-    b->size += n->size;
-    unlink(n);
-    recycle_block_locked(n);
-  }
-  free_.insert(b);
 }
 
 void pool::describe_pointer_error_locked(std::uintptr_t p, pool_error* error) const {
@@ -356,9 +446,8 @@ void pool::describe_pointer_error_locked(std::uintptr_t p, pool_error* error) co
 bool pool::block_size(const void* p, std::size_t* out) const {
   const auto addr = reinterpret_cast<std::uintptr_t>(p);
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = live_.find(addr);
-  if (it != live_.end()) {
-    *out = it->second->size;
+  if (const block* b = live_.find(addr)) {
+    *out = b->size;
     return true;
   }
   auto d = direct_.find(addr);
@@ -403,7 +492,7 @@ std::size_t pool::release_unused_locked() {
   for (auto it = regions_.begin(); it != regions_.end(); ++it) {
     region* r = it->get();
     if (r->first->free && r->first->next == nullptr) {
-      free_.erase(r->first);
+      erase_free_locked(r->first);
       recycle_block_locked(r->first);
       upstream_->deallocate(reinterpret_cast<void*>(r->base), r->size, upstream_->page_size());
       reserved_ -= r->size;
@@ -429,7 +518,8 @@ void pool::release_all() {
   regions_.clear();
   direct_.clear();
   live_.clear();
-  free_.clear();
+  for (free_set& set : bins_) set.clear();
+  std::fill(std::begin(bin_bits_), std::end(bin_bits_), 0);
   spare_blocks_.clear();
   block_chunks_.clear();
   reserved_ = pooled_in_use_ = passthrough_in_use_ = overshoot_in_use_ = 0;
@@ -441,7 +531,8 @@ std::size_t pool::in_use_blocks() const {
 }
 
 std::size_t pool::largest_free_locked() const {
-  return free_.empty() ? 0 : (*free_.rbegin())->size;
+  const block* b = largest_free_block_locked();
+  return b == nullptr ? 0 : b->size;
 }
 
 std::size_t pool::largest_allocatable_locked() const {
@@ -589,12 +680,14 @@ bool pool::is_valid(std::string* why) const {
       if (b->free) {
         ++free_blocks;
         if (prev != nullptr && prev->free) return fail(where + ": two free neighbours not coalesced");
-        if (free_.find(const_cast<block*>(b)) == free_.end()) return fail(where + ": free but not indexed");
+        if (b->bin != bin_of(b->size) || b->where->b != b || b->where->size != b->size ||
+            b->where->addr != b->addr || bins_[b->bin].find(*b->where) != b->where) {
+          return fail(where + ": free but not indexed in its bin");
+        }
       } else {
         ++used_blocks;
         used += b->size;
-        auto it = live_.find(b->addr);
-        if (it == live_.end() || it->second != b) return fail(where + ": in use but not in the live map");
+        if (live_.find(b->addr) != b) return fail(where + ": in use but not in the live map");
       }
       expect = b->addr + b->size;
     }
@@ -602,7 +695,11 @@ bool pool::is_valid(std::string* why) const {
       return fail("region " + std::to_string(r->index) + ": blocks do not cover it to the end");
     }
   }
-  if (free_blocks != free_.size()) return fail("free index holds blocks that are not free");
+  for (unsigned i = 0; i < kBins; ++i) {
+    const bool bit = (bin_bits_[i / 64] >> (i % 64)) & 1;
+    if (bit == bins_[i].empty()) return fail("bin bitmap disagrees with bin " + std::to_string(i));
+  }
+  if (free_blocks != free_block_count_locked()) return fail("free index holds blocks that are not free");
   if (used_blocks != live_.size()) return fail("live map holds blocks that are not in use");
   if (used != pooled_in_use_) return fail("bytes in use do not match the blocks in use");
   if (reserved != reserved_) return fail("bytes reserved do not match the regions");

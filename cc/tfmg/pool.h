@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "cc/tfmg/c_api.h"
+#include "cc/tfmg/addr_map.h"
 #include "cc/tfmg/node_allocator.h"
 #include "cc/tfmg/trace.h"
 #include "cc/tfmg/upstream.h"
@@ -98,6 +99,18 @@ class pool {
 
  private:
   struct region;
+  struct block;
+  // The tree key holds size and address itself, so a search touches only tree nodes,
+  // never the blocks (half the cache misses of a tree of block pointers).
+  struct free_key {
+    // Mutable so that rekey_free_locked can update a node in place when the new key
+    // keeps its position; never changed otherwise.
+    mutable std::size_t size;
+    mutable std::uintptr_t addr;
+    block* b;
+    bool operator<(const free_key& o) const { return size != o.size ? size < o.size : addr < o.addr; }
+  };
+  using free_set = std::set<free_key, std::less<free_key>, node_allocator<free_key>>;
   struct block {
     std::uintptr_t addr;
     std::size_t size;
@@ -105,6 +118,8 @@ class pool {
     block* next;
     region* owner;
     bool free;
+    unsigned bin;              // while free: its bin, and its place in that bin's set
+    free_set::iterator where;
   };
   struct region {
     std::uintptr_t base;
@@ -112,25 +127,32 @@ class pool {
     int index;
     block* first;
   };
-  struct by_size_then_addr {
-    bool operator()(const block* a, const block* b) const {
-      return a->size != b->size ? a->size < b->size : a->addr < b->addr;
-    }
-  };
   struct direct_block {
     std::size_t size;
     std::size_t alignment;
     bool overshoot;  // false: pass-through (predates the budget)
   };
-
-  using free_set = std::set<block*, by_size_then_addr, node_allocator<block*>>;
-  using live_map = std::unordered_map<std::uintptr_t, block*, std::hash<std::uintptr_t>,
-                                      std::equal_to<std::uintptr_t>,
-                                      node_allocator<std::pair<const std::uintptr_t, block*>>>;
   using direct_map =
       std::unordered_map<std::uintptr_t, direct_block, std::hash<std::uintptr_t>,
                          std::equal_to<std::uintptr_t>,
                          node_allocator<std::pair<const std::uintptr_t, direct_block>>>;
+
+  // Free blocks are kept in bins by size class (eight per power of two), each bin a
+  // tree ordered by (size, address), and a bitmap of the non-empty bins. Every block of
+  // a bin is larger than every block of the bins below it, so best fit is: the lower
+  // bound in the request's own bin, else the smallest block of the next non-empty bin.
+  // Trees stay small (a few blocks each), and a free block erases itself through its
+  // stored iterator.
+  static constexpr unsigned kBins = 512;
+  static unsigned bin_of(std::size_t size);
+  void insert_free_locked(block* b);
+  void rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size);
+  static void link_after(block* at, block* nb);
+  static void link_before(block* at, block* nb);
+  static void unlink(block* x);
+  void erase_free_locked(block* b);
+  block* largest_free_block_locked() const;
+  std::size_t free_block_count_locked() const;
 
   // All _locked members require mutex_ held.
   block* find_fit_locked(std::size_t size, std::size_t alignment, bool small);
@@ -157,8 +179,9 @@ class pool {
 
   mutable std::mutex mutex_;
   node_arena arena_;  // declared before the containers that use it
-  free_set free_;
-  live_map live_;
+  std::vector<free_set> bins_;
+  std::uint64_t bin_bits_[kBins / 64] = {};
+  addr_map<block*> live_;  // block address -> block, for blocks in use
   direct_map direct_;
   std::vector<std::unique_ptr<region>> regions_;
   std::vector<block*> spare_blocks_;

@@ -27,7 +27,7 @@ int g_failed_checks = 0;
 
 #define CHECK_OK(expr) CHECK((expr) == TFMG_OK)
 
-constexpr uint64_t MiB = 1u << 20;
+constexpr int64_t MiB = int64_t{1} << 20;
 
 tfmg_pool* make_pool(uint64_t budget, uint64_t region = 0, uint64_t trace = 0) {
   tfmg_pool_options o;

@@ -1,0 +1,149 @@
+"""Allocation latency and fragmentation of the pool against the system allocator.
+
+For each trace (benchmarks/traces.py), in one run:
+  * ns per operation for the pool and for posix_memalign/free (median of --repeat
+    replays, each in native code: no Python per operation), and their ratio;
+  * the smallest budget at which the pool completes the trace, found by bisection,
+    divided by the trace's peak live bytes.
+
+Prints a table and writes benchmarks/results/alloc_latency.json.
+
+    python benchmarks/alloc_latency.py [--repeat 5] [--quick]
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import traces as tr  # noqa: E402
+from tf_memguard import _core  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+# Pool layouts compared for fragmentation (what was tried; the default is first).
+VARIANTS = {
+    "default": dict(),
+    "up_front": dict(region_bytes=2**64 - 1),
+    "no_split_by_size": dict(small_threshold=1),  # every request placed as "large"
+    "small_below_64k": dict(small_threshold=64 * 1024),
+    "small_below_8m": dict(small_threshold=8 * 1024 * 1024),
+}
+
+
+def replay_pool(trace, budget, **options):
+    pool = _core.Pool(max_bytes=budget, **options)
+    try:
+        return _core.replay_pool(pool, trace.sizes, trace.slots, trace.is_free, trace.nslots)
+    finally:
+        pool.close(force=True)
+
+
+def replay_system(trace):
+    return _core.replay_system(trace.sizes, trace.slots, trace.is_free, trace.nslots, 64)
+
+
+def ns_per_op(run, trace, repeat):
+    samples = []
+    for _ in range(repeat):
+        r = run()
+        if r["failed_at"] is not None:
+            raise RuntimeError(f"{trace.name}: replay failed at op {r['failed_at']}")
+        samples.append(r["elapsed_ns"] / trace.ops)
+    return statistics.median(samples)
+
+
+def min_budget(trace, precision=0.002, **options):
+    """Smallest budget (within `precision`) at which the pool completes the trace."""
+    def ok(budget):
+        return replay_pool(trace, int(budget), **options)["failed_at"] is None
+
+    lo = trace.peak_live_bytes  # nothing below the peak can work
+    hi = int(lo * 1.25) + (4 << 20)
+    while not ok(hi):
+        lo, hi = hi, hi * 2
+    while (hi - lo) > precision * trace.peak_live_bytes:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=5, help="replays per timing (median). Defaults to 5.")
+    ap.add_argument("--quick", action="store_true", help="one replay per timing, no variants")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "alloc_latency.json"))
+    args = ap.parse_args(argv)
+    repeat = 1 if args.quick else args.repeat
+
+    results = {}
+    variants = {}
+    started = time.time()
+    for trace in tr.standard_traces():
+        budget = 4 * trace.peak_live_bytes + (64 << 20)
+        system = ns_per_op(lambda: replay_system(trace), trace, repeat)
+        pool = ns_per_op(lambda: replay_pool(trace, budget), trace, repeat)
+        row = {
+            "description": trace.description,
+            "ops": trace.ops,
+            "peak_live_bytes": trace.peak_live_bytes,
+            "pool_ns_per_op": round(pool, 1),
+            "system_ns_per_op": round(system, 1),
+            "pool_over_system": round(pool / system, 3),
+        }
+        if trace.name.startswith("churn"):
+            row["min_budget_over_peak_live"] = round(min_budget(trace) / trace.peak_live_bytes, 4)
+            if not args.quick:
+                variants[trace.name] = {
+                    name: round(min_budget(trace, **opts) / trace.peak_live_bytes, 4)
+                    for name, opts in VARIANTS.items()
+                }
+        results[trace.name] = row
+
+    print(f"{'trace':<12} {'pool ns/op':>11} {'system ns/op':>13} {'pool/system':>12} "
+          f"{'min budget/peak live':>21}")
+    for name, r in results.items():
+        mb = r.get("min_budget_over_peak_live")
+        print(f"{name:<12} {r['pool_ns_per_op']:>11.1f} {r['system_ns_per_op']:>13.1f} "
+              f"{r['pool_over_system']:>12.3f} {('%.4f' % mb) if mb else '-':>21}")
+    if variants:
+        names = list(VARIANTS)
+        print("\nmin budget / peak live by pool layout (what was tried):")
+        print(f"{'trace':<12} " + " ".join(f"{n:>17}" for n in names))
+        for t, v in variants.items():
+            print(f"{t:<12} " + " ".join(f"{v[n]:>17.4f}" for n in names))
+
+    c100 = results["churn_100"]["pool_ns_per_op"]
+    c10k = results["churn_10000"]["pool_ns_per_op"]
+    summary = {
+        "churn_2000_pool_ns_per_op_le_100": results["churn_2000"]["pool_ns_per_op"] <= 100,
+        "churn_10000_over_churn_100": round(c10k / c100, 3),
+        "min_budget_over_peak_live_le_1_10": all(
+            r["min_budget_over_peak_live"] <= 1.10 for n, r in results.items() if "min_budget_over_peak_live" in r),
+    }
+    out = {
+        "command": "python benchmarks/alloc_latency.py" + (" --quick" if args.quick else ""),
+        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count()},
+        "repeat": repeat,
+        "seconds": round(time.time() - started, 1),
+        "traces": results,
+        "variants_min_budget_over_peak_live": variants,
+        "summary": summary,
+    }
+    print("\nsummary:", json.dumps(summary))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""The native pool through its Python bindings (tf_memguard._core / tf_memguard.Pool)."""
+import ctypes
+import random
+import threading
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import tf_memguard
+from tf_memguard import _core
+
+KiB = 1 << 10
+MiB = 1 << 20
+GRANULE = 64
+
+
+def rounded(n):
+    return max(GRANULE, -(-n // GRANULE) * GRANULE)
+
+
+def fill(address, size, byte):
+    ctypes.memset(address, byte, size)
+
+
+def holds(address, size, byte):
+    data = ctypes.string_at(address, size)
+    return data == bytes([byte]) * size
+
+
+class PoolAgainstModel(RuleBasedStateMachine):
+    """Random allocate/free sequences checked against a plain model of what is live."""
+
+    def __init__(self):
+        super().__init__()
+        self.budget = random.Random(0).choice([4 * MiB, 16 * MiB])
+        self.pool = tf_memguard.Pool(max_bytes=self.budget, region_bytes=1 * MiB)
+        self.live = {}  # address -> (requested, rounded, byte)
+        self.allocs = 0
+        self.peak = 0
+        self.next_byte = 1
+
+    @rule(size=st.one_of(st.integers(0, 4 * KiB), st.integers(4 * KiB, 6 * MiB)),
+          alignment=st.sampled_from([0, 64, 128, 4096]))
+    def allocate(self, size, alignment):
+        before = self.pool.stats()
+        try:
+            address = self.pool.allocate(size, alignment)
+        except tf_memguard.OutOfBudgetError as e:
+            after = self.pool.stats()
+            # A refusal changes nothing but the refusal count, and it was necessary.
+            for key in ("bytes_in_use", "bytes_reserved", "num_allocs", "peak_bytes_in_use"):
+                assert after[key] == before[key], key
+            assert after["num_refusals"] == before["num_refusals"] + 1
+            refusal = self.pool.last_refusal()
+            assert refusal["requested_bytes"] == size
+            assert rounded(size) > refusal["largest_allocatable_bytes"] or alignment > GRANULE
+            assert "cannot allocate" in str(e)
+            return
+        assert address % max(alignment, GRANULE) == 0
+        r = rounded(size)
+        for other, (_, other_r, _) in self.live.items():
+            assert address + r <= other or other + other_r <= address, "blocks overlap"
+        byte = self.next_byte
+        self.next_byte = self.next_byte % 255 + 1
+        fill(address, min(r, 4096), byte)
+        self.live[address] = (size, r, byte)
+        self.allocs += 1
+        self.peak = max(self.peak, sum(v[1] for v in self.live.values()))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        address = data.draw(st.sampled_from(sorted(self.live)))
+        size, r, byte = self.live.pop(address)
+        assert holds(address, min(r, 4096), byte), "a block's bytes were overwritten"
+        assert self.pool.free(address) == r
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def double_free_is_refused(self, data):
+        address = data.draw(st.sampled_from(sorted(self.live)))
+        size, r, byte = self.live.pop(address)
+        self.pool.free(address)
+        with pytest.raises(tf_memguard.DoubleFreeError, match="double free"):
+            self.pool.free(address)
+
+    @invariant()
+    def counters_are_exact(self):
+        s = self.pool.stats()
+        assert s["bytes_in_use"] == sum(v[1] for v in self.live.values())
+        assert s["num_allocs"] == self.allocs
+        assert s["peak_bytes_in_use"] == self.peak
+        assert s["bytes_reserved"] <= self.budget
+        assert s["peak_bytes_reserved"] <= self.budget
+        assert 0.0 <= s["fragmentation"] < 1.0
+        assert self.pool.check()
+
+    def teardown(self):
+        for address in list(self.live):
+            self.pool.free(address)
+        s = self.pool.stats()
+        assert s["bytes_in_use"] == 0
+        # Everything coalesced: each region is one free block again, so releasing
+        # the unused regions gives every reserved byte back.
+        assert self.pool.release_unused() == s["bytes_reserved"]
+        assert self.pool.stats()["bytes_reserved"] == 0
+        assert self.pool.check()
+        self.pool.close()
+
+
+TestPoolAgainstModel = PoolAgainstModel.TestCase
+TestPoolAgainstModel.settings = settings(max_examples=60, stateful_step_count=60, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_many_threads_allocate_and_free_and_the_pool_stays_valid():
+    pool = tf_memguard.Pool(max_bytes=256 * MiB)
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        mine = []
+        try:
+            for _ in range(25_000):
+                if mine and (len(mine) > 32 or rng.random() < 0.5):
+                    address, size, byte = mine.pop(rng.randrange(len(mine)))
+                    if ctypes.string_at(address, 1)[0] != byte or ctypes.string_at(address + size - 1, 1)[0] != byte:
+                        errors.append("overwritten")
+                    pool.free(address)
+                else:
+                    size = rng.randrange(1, 64 * KiB)
+                    address = pool.allocate(size)
+                    byte = seed + 1
+                    ctypes.memset(address, byte, size)
+                    mine.append((address, size, byte))
+            for address, _, _ in mine:
+                pool.free(address)
+        except Exception as e:  # surfaced below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]  # 10^5 operations
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    s = pool.stats()
+    assert s["bytes_in_use"] == 0
+    assert s["num_allocs"] == s["num_frees"] == 50_000 or s["num_allocs"] == s["num_frees"]
+    assert s["num_allocs"] >= 40_000
+    assert pool.check()
+
+
+def test_zero_bytes_returns_a_unique_block_of_one_granule():
+    pool = tf_memguard.Pool(max_bytes=1 * MiB)
+    a, b = pool.allocate(0), pool.allocate(0)
+    assert a != b
+    assert pool.block_size(a) == GRANULE
+    pool.free(a)
+    pool.free(b)
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_over_budget_request_names_sizes_and_budget_and_pool_stays_usable():
+    pool = tf_memguard.Pool(max_bytes=8 * MiB)
+    a = pool.allocate(5 * MiB)
+    with pytest.raises(tf_memguard.OutOfBudgetError) as info:
+        pool.allocate(4 * MiB)
+    msg = str(info.value)
+    assert "cannot allocate 4.00 MiB (4194304 bytes)" in msg
+    assert "5.00 MiB of the 8.00 MiB budget in use" in msg
+    assert "raise the budget" in msg
+    assert isinstance(info.value, MemoryError)
+    b = pool.allocate(2 * MiB)
+    pool.free(a)
+    pool.free(b)
+    assert pool.check()
+
+
+@pytest.mark.parametrize("nbytes", [2**63, 2**63 + 1, 2**64 - 1, 2**64, 2**70])
+def test_absurd_requests_are_refused_cleanly(nbytes):
+    pool = tf_memguard.Pool(max_bytes=8 * MiB)
+    with pytest.raises(tf_memguard.OutOfBudgetError, match="cannot allocate"):
+        pool.allocate(nbytes)
+    assert pool.stats()["num_refusals"] == 1
+    assert pool.check()
+
+
+@pytest.mark.parametrize("nbytes,match", [(-1, "nbytes=-1: must not be negative"),
+                                          (1.5, "nbytes=1.5: must be an int"),
+                                          ("10", "nbytes='10': must be an int")])
+def test_bad_sizes_raise_value_error_naming_the_argument(nbytes, match):
+    pool = tf_memguard.Pool(max_bytes=8 * MiB)
+    with pytest.raises(ValueError, match=match):
+        pool.allocate(nbytes)
+
+
+def test_bad_alignment_raises_value_error():
+    pool = tf_memguard.Pool(max_bytes=8 * MiB)
+    with pytest.raises(ValueError, match="alignment=48: must be a power of two"):
+        pool.allocate(100, alignment=48)
+
+
+def test_unknown_and_interior_pointers_are_refused_and_change_nothing():
+    pool = tf_memguard.Pool(max_bytes=8 * MiB)
+    a = pool.allocate(4096)
+    before = pool.stats()
+    buf = ctypes.create_string_buffer(64)
+    with pytest.raises(tf_memguard.UnknownPointerError, match="not a pointer handed out by this pool"):
+        pool.free(ctypes.addressof(buf))
+    with pytest.raises(tf_memguard.UnknownPointerError, match="128 bytes into a 4.00 KiB block"):
+        pool.free(a + 128)
+    assert pool.stats() == before
+    pool.free(a)
+    with pytest.raises(tf_memguard.DoubleFreeError, match="double free"):
+        pool.free(a)
+    assert pool.check()
+
+
+def test_must_succeed_requests_are_granted_over_budget_as_overshoot():
+    pool = tf_memguard.Pool(max_bytes=2 * MiB)
+    a = pool.allocate(2 * MiB)
+    b = pool.allocate(3 * MiB, must_succeed=True)
+    s = pool.stats()
+    assert s["overshoot_bytes_in_use"] == 3 * MiB
+    assert s["num_overshoots"] == 1 and s["num_refusals"] == 0
+    assert s["bytes_reserved"] <= 2 * MiB
+    ctypes.memset(b, 1, 3 * MiB)
+    pool.free(b)
+    pool.free(a)
+    assert pool.stats()["peak_overshoot_bytes"] == 3 * MiB
+
+
+def test_passthrough_until_a_budget_is_set_then_pooled():
+    pool = tf_memguard.Pool()  # no budget: pass-through, counted
+    a = pool.allocate(1000)
+    assert pool.stats()["passthrough_bytes_in_use"] == 1024
+    assert pool.stats()["bytes_limit"] == 0
+    pool.set_limit(4 * MiB)
+    b = pool.allocate(1000)
+    s = pool.stats()
+    assert s["bytes_limit"] == 4 * MiB and s["bytes_reserved"] > 0
+    pool.free(a)  # a block from before the budget is freed correctly after it
+    assert pool.stats()["passthrough_bytes_in_use"] == 0
+    pool.free(b)
+    with pytest.raises(ValueError, match="max_bytes=0"):
+        pool.set_limit(0)
+
+
+def test_lowering_the_budget_below_what_is_held_fails_and_keeps_the_old_one():
+    pool = tf_memguard.Pool(max_bytes=16 * MiB, region_bytes=8 * MiB)
+    a = pool.allocate(6 * MiB)
+    with pytest.raises(tf_memguard.OutOfBudgetError, match="cannot lower the budget"):
+        pool.set_limit(4 * MiB)
+    assert pool.stats()["bytes_limit"] == 16 * MiB
+    pool.free(a)
+    pool.set_limit(4 * MiB)  # now the empty region goes back first
+    assert pool.stats()["bytes_reserved"] == 0
+
+
+def test_reset_peak_is_independent_of_clear_stats():
+    pool = tf_memguard.Pool(max_bytes=16 * MiB)
+    a = pool.allocate(4 * MiB)
+    pool.free(a)
+    b = pool.allocate(1 * MiB)
+    s = pool.stats()
+    assert s["peak_bytes_in_use"] == s["window_peak_bytes_in_use"] == 4 * MiB
+    pool.reset_peak()
+    s = pool.stats()
+    assert s["window_peak_bytes_in_use"] == 1 * MiB and s["peak_bytes_in_use"] == 4 * MiB
+    pool.clear_stats()
+    s = pool.stats()
+    assert s["peak_bytes_in_use"] == 1 * MiB and s["num_allocs"] == 0 and s["largest_alloc_size"] == 0
+    pool.free(b)
+
+
+def test_trace_records_order_size_and_offset_and_is_bounded():
+    pool = tf_memguard.Pool(max_bytes=16 * MiB, trace_capacity=3)
+    a = pool.allocate(100)
+    b = pool.allocate(5000)
+    pool.free(a)
+    t = pool.trace()
+    assert [e["op"] for e in t["events"]] == ["alloc", "alloc", "free"]
+    assert [e["size"] for e in t["events"]] == [128, 5056, 128]
+    assert t["events"][0]["address"] == a and t["events"][2]["address"] == a
+    assert all(e["offset"] < 16 * MiB for e in t["events"])
+    pool.free(b)
+    with pytest.raises(tf_memguard.OutOfBudgetError):
+        pool.allocate(64 * MiB)
+    t = pool.trace()
+    assert t["dropped"] == 2
+    assert [e["op"] for e in t["events"]] == ["free", "free", "refuse"]
+
+
+def test_a_closed_pool_says_so():
+    pool = tf_memguard.Pool(max_bytes=1 * MiB)
+    a = pool.allocate(10)
+    with pytest.raises(tf_memguard.PoolError, match="still in use"):
+        pool.close()
+    pool.free(a)
+    pool.close()
+    with pytest.raises(tf_memguard.PoolError, match="the pool is closed"):
+        pool.allocate(10)
+
+
+def test_replay_stops_at_the_first_refusal_and_frees_everything():
+    import numpy as np
+    sizes = np.array([3 * MiB, 3 * MiB, 0, 3 * MiB], dtype=np.uint64)
+    slots = np.array([0, 1, 0, 2], dtype=np.uint32)
+    is_free = np.array([0, 0, 1, 0], dtype=np.uint32)
+    small = tf_memguard.Pool(max_bytes=8 * MiB, region_bytes=8 * MiB)
+    r = _core.replay_pool(small, sizes, slots, is_free, 3)
+    assert r["failed_at"] is None and r["completed"] == 4
+    tiny = tf_memguard.Pool(max_bytes=5 * MiB)
+    r = _core.replay_pool(tiny, sizes, slots, is_free, 3)
+    assert r["failed_at"] == 1
+    assert tiny.stats()["bytes_in_use"] == 0
+    r = _core.replay_system(sizes, slots, is_free, 3)
+    assert r["failed_at"] is None
