@@ -4,11 +4,21 @@
   plain C interface, so that every user in a process shares one copy and one pool per
   device.
 * ``tf_memguard/_core*.so``: the pybind11 bindings, linked to the core (rpath $ORIGIN).
+* ``tensorflow-plugins/libtf_memguard_plugin.so``: the TensorFlow glue (cc/tf), which
+  ``import tensorflow`` loads from site-packages; it dlopen()s the core at load time and
+  does not link it. Built against the TensorFlow of the environment being installed
+  into (found by running its interpreter with -I, outside pip's isolated build
+  environment), with that TensorFlow's own compile and link flags. Without TensorFlow
+  the plugin is skipped with a warning (the pool and its bindings still build);
+  TF_MEMGUARD_REQUIRE_TF=1 makes that an error.
 
 The list of core sources is ``cc/core_sources.txt``, read by every build (this file and
 CMakeLists.txt) so they cannot drift apart.
 """
+import json
 import os
+import shutil
+import subprocess
 import sys
 
 from setuptools import Extension, setup
@@ -27,6 +37,23 @@ class PlainSharedLibrary(Extension):
     """A shared library that Python does not import: named NAME.so, not NAME.cpython-*.so."""
 
 
+PLUGIN = "tensorflow-plugins.libtf_memguard_plugin"
+
+
+def tensorflow_build_flags():
+    """Compile and link flags of the target environment's TensorFlow, or None."""
+    probe = ("import json, tensorflow.sysconfig as s, tensorflow as tf; "
+             "print(json.dumps([tf.__version__, s.get_compile_flags(), s.get_link_flags()]))")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_MEMGUARD_DISABLE="1")
+    try:
+        out = subprocess.run([sys.executable, "-I", "-c", probe], env=env, check=True,
+                             capture_output=True, text=True, timeout=300).stdout
+        version, cflags, lflags = json.loads(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+        return None
+    return version, cflags, lflags
+
+
 class BuildExt(build_ext):
     def get_ext_filename(self, fullname):
         ext = self.ext_map.get(fullname)
@@ -40,11 +67,26 @@ class BuildExt(build_ext):
         super().build_extensions()
 
     def build_extension(self, ext):
+        if ext.name == PLUGIN:
+            # In-place and editable builds copy to ./tensorflow-plugins/, made here.
+            os.makedirs(os.path.join(HERE, "tensorflow-plugins"), exist_ok=True)
+            if self.inplace or getattr(self, "editable_mode", False):
+                # The package stays in the source tree: the plugin looks for the core there
+                # when it is not beside it in site-packages.
+                core = os.path.join(HERE, "tf_memguard", "libtfmg_core.so")
+                ext.define_macros = ext.define_macros + [("TFMG_CORE_FALLBACK_PATH", '"%s"' % core)]
         if ext.name == "tf_memguard._core":
             core_dir = os.path.dirname(self.get_ext_fullpath("tf_memguard.libtfmg_core"))
             ext.extra_link_args = ext.extra_link_args + [
                 "-L" + core_dir, "-l:libtfmg_core.so", "-Wl,-rpath,$ORIGIN"]
         super().build_extension(ext)
+        if ext.name == PLUGIN and getattr(self, "editable_mode", False):
+            # An editable wheel holds what is in the install dir; put the plugin there so
+            # that it lands in site-packages/tensorflow-plugins, where TensorFlow looks.
+            target = os.path.join(self.distribution.get_command_obj("install").install_lib,
+                                  "tensorflow-plugins")
+            os.makedirs(target, exist_ok=True)
+            shutil.copy2(self.get_ext_fullpath(ext.name), target)
 
 
 def pybind11_include():
@@ -69,4 +111,25 @@ bindings = Extension(
     extra_compile_args=CXXFLAGS,
 )
 
-setup(ext_modules=[core, bindings], cmdclass={"build_ext": BuildExt})
+ext_modules = [core, bindings]
+tf = tensorflow_build_flags()
+if tf is None:
+    message = ("tf_memguard: no TensorFlow found for %s; building without the TensorFlow plugin "
+               "(install tensorflow-cpu==2.21.0 first, then reinstall tf_memguard)" % sys.executable)
+    if os.environ.get("TF_MEMGUARD_REQUIRE_TF") == "1":
+        sys.exit(message)
+    print("WARNING: " + message, file=sys.stderr)
+else:
+    tf_version, tf_cflags, tf_lflags = tf
+    print("tf_memguard: building the TensorFlow plugin against TensorFlow %s" % tf_version)
+    ext_modules.append(PlainSharedLibrary(
+        PLUGIN,
+        sources=["cc/tf/plugin.cc"],
+        include_dirs=[HERE],
+        language="c++",
+        # TensorFlow's flags last: they set the C++ standard and ABI it was built with.
+        extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall"] + tf_cflags,
+        extra_link_args=tf_lflags + ["-ldl"],
+    ))
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExt})

@@ -89,6 +89,14 @@ py::dict stats_dict(const tfmg_stats& s) {
   d["overshoot_bytes_in_use"] = s.overshoot_bytes_in_use;
   d["peak_overshoot_bytes"] = s.peak_overshoot_bytes;
   d["num_overshoots"] = s.num_overshoots;
+  static const char* const kinds[] = {"other", "kernel", "tensor", "raw"};
+  py::dict by_kind, bytes_by_kind;
+  for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
+    by_kind[kinds[k]] = s.overshoots_by_kind[k];
+    bytes_by_kind[kinds[k]] = s.overshoot_bytes_by_kind[k];
+  }
+  d["overshoots_by_kind"] = by_kind;
+  d["overshoot_bytes_by_kind"] = bytes_by_kind;
   d["fragmentation"] = s.fragmentation;
   return d;
 }
@@ -120,8 +128,10 @@ class Pool {
     o.trace_capacity = to_u64(trace_capacity, "trace_capacity", false);
     call([&] { return tfmg_pool_create(&o, &pool_); });
   }
+  // A process-wide device pool: shared with the TensorFlow plugin, never destroyed.
+  explicit Pool(tfmg_pool* shared) : pool_(shared), owned_(false) {}
   ~Pool() {
-    if (pool_ != nullptr) tfmg_pool_destroy(pool_, 1);
+    if (pool_ != nullptr && owned_) tfmg_pool_destroy(pool_, 1);
   }
 
   tfmg_pool* get() const {
@@ -249,14 +259,22 @@ class Pool {
     return buf;
   }
 
+  uint64_t total_memory() { return tfmg_pool_total_memory(get()); }
+  bool shared() const { return !owned_; }
+
   void close(bool force) {
     if (pool_ == nullptr) return;
+    if (!owned_) {
+      PyErr_SetString(g_pool_error, "a device pool is shared with TensorFlow and cannot be closed");
+      throw py::error_already_set();
+    }
     call([&] { return tfmg_pool_destroy(pool_, force ? 1 : 0); });
     pool_ = nullptr;
   }
 
  private:
   tfmg_pool* pool_ = nullptr;
+  bool owned_ = true;
 };
 
 std::vector<tfmg_replay_op> to_ops(py::array_t<uint64_t, py::array::c_style | py::array::forcecast> sizes,
@@ -333,7 +351,25 @@ PYBIND11_MODULE(_core, m) {
       .def("trace_clear", &Pool::trace_clear)
       .def("check", &Pool::check)
       .def("describe", &Pool::describe)
+      .def("total_memory", &Pool::total_memory)
+      .def_property_readonly("shared", &Pool::shared)
       .def("close", &Pool::close, py::arg("force") = false);
+
+  m.def(
+      "device_pool",
+      [](const std::string& device) {
+        tfmg_pool* p = nullptr;
+        call([&] { return tfmg_device_pool(device.c_str(), &p); });
+        return new Pool(p);
+      },
+      py::arg("device"), "The process-wide pool of a device, shared with the TensorFlow plugin.");
+  m.def("plugin_state", &tfmg_plugin_state);
+  m.def("plugin_path", []() { return std::string(tfmg_plugin_path()); });
+  m.attr("PLUGIN_LOADED") = TFMG_PLUGIN_LOADED;
+  m.attr("PLUGIN_REGISTERED") = TFMG_PLUGIN_REGISTERED;
+  m.attr("PLUGIN_SERVING") = TFMG_PLUGIN_SERVING;
+  m.attr("PLUGIN_DISABLED") = TFMG_PLUGIN_DISABLED;
+  m.attr("PLUGIN_DUPLICATE") = TFMG_PLUGIN_DUPLICATE;
 
   m.def(
       "replay_pool",

@@ -197,6 +197,10 @@ tfmg_status tfmg_pool_check(tfmg_pool* p) {
   return TFMG_OK;
 }
 
+uint64_t tfmg_pool_total_memory(tfmg_pool* p) {
+  return p == nullptr ? 0 : p->impl.source().total_memory();
+}
+
 void tfmg_pool_describe(tfmg_pool* p, char* buf, uint64_t buf_size) {
   if (buf == nullptr || buf_size == 0) return;
   const std::string s = p == nullptr ? std::string("(null pool)") : p->impl.describe();

@@ -41,6 +41,15 @@ typedef enum tfmg_status {
  * say). If the budget cannot serve the request, it is taken straight from the upstream
  * and accounted as overshoot. Fails only when the upstream itself fails. */
 #define TFMG_ALLOC_MUST_SUCCEED 1u
+/* What asked for the memory, in bits 8-11 of the flags: TFMG_ALLOC_KIND(TFMG_KIND_...).
+ * Only used to account overshoot by kind. */
+#define TFMG_ALLOC_KIND_SHIFT 8
+#define TFMG_ALLOC_KIND(kind) ((uint32_t)(kind) << TFMG_ALLOC_KIND_SHIFT)
+#define TFMG_KIND_OTHER 0  /* unspecified */
+#define TFMG_KIND_KERNEL 1 /* a kernel's output or scratch (TensorFlow can take a refusal) */
+#define TFMG_KIND_TENSOR 2 /* a tensor made outside a kernel: numpy or Python values */
+#define TFMG_KIND_RAW 3    /* raw buffers: XLA, the runtime (2-argument AllocateRaw) */
+#define TFMG_NUM_KINDS 4
 
 typedef enum tfmg_upstream_kind {
   TFMG_UPSTREAM_HOST = 0 /* page-aligned host memory (mmap for large regions) */
@@ -88,6 +97,8 @@ typedef struct tfmg_stats {
   int64_t overshoot_bytes_in_use;  /* MUST_SUCCEED bytes granted over the budget */
   int64_t peak_overshoot_bytes;
   int64_t num_overshoots;
+  int64_t overshoots_by_kind[TFMG_NUM_KINDS];      /* cumulative, indexed by TFMG_KIND_* */
+  int64_t overshoot_bytes_by_kind[TFMG_NUM_KINDS]; /* cumulative bytes granted over budget */
   /* 1 - largest_free_block_bytes / bytes_free, in [0, 1); 0 when nothing is free.
    * 0 means all free memory is one block; near 1, it is in many small pieces. */
   double fragmentation;
@@ -174,6 +185,29 @@ TFMG_API tfmg_status tfmg_pool_trace_clear(tfmg_pool* pool);
 /* Walks every invariant of the pool (expensive: O(blocks)). OK, or INVALID_STATE with
  * tfmg_last_error() naming the first broken invariant. */
 TFMG_API tfmg_status tfmg_pool_check(tfmg_pool* pool);
+
+/* The memory of the pool's device (host: physical memory or the cgroup limit). */
+TFMG_API uint64_t tfmg_pool_total_memory(tfmg_pool* pool);
+
+/* Process-wide pools, one per device name ("CPU:0"), shared by every user of this copy
+ * of the core (the TensorFlow plugin and the Python module). Created on first use with
+ * no budget (pass-through, counted) over host memory; never destroyed. */
+TFMG_API tfmg_status tfmg_device_pool(const char* device, tfmg_pool** out);
+/* 1 for the first call with a given key in this process, 0 after: lets only the first
+ * of several loaded copies of the plugin register with TensorFlow. */
+TFMG_API int tfmg_claim_once(const char* key);
+
+/* What the TensorFlow plugin did, for Python to report (bit flags). */
+#define TFMG_PLUGIN_LOADED 1         /* the plugin found this core */
+#define TFMG_PLUGIN_REGISTERED 2     /* its allocator factory is registered with TF */
+#define TFMG_PLUGIN_SERVING 4        /* TF created the allocator: tensors come from the pool */
+#define TFMG_PLUGIN_DISABLED 8       /* TF_MEMGUARD_DISABLE=1: did nothing */
+#define TFMG_PLUGIN_DUPLICATE 16     /* another copy registered first */
+TFMG_API void tfmg_plugin_set_state(int flags); /* ORs flags in */
+TFMG_API int tfmg_plugin_state(void);
+/* The path the plugin was loaded from ("" if none). */
+TFMG_API void tfmg_plugin_set_path(const char* path);
+TFMG_API const char* tfmg_plugin_path(void);
 
 /* Writes a one-line description of the pool's state (sizes in human units) into buf. */
 TFMG_API void tfmg_pool_describe(tfmg_pool* pool, char* buf, uint64_t buf_size);

@@ -111,14 +111,17 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
     return nullptr;
   }
   const std::size_t size = bytes == 0 ? granule_ : round_up(bytes, granule_);
-  if (limit_ == 0) return allocate_direct_locked(size, alignment, false, error);
+  const unsigned kind = (flags >> TFMG_ALLOC_KIND_SHIFT) % TFMG_NUM_KINDS;
+  if (limit_ == 0) return allocate_direct_locked(size, alignment, false, kind, error);
 
   // Small blocks go to the high end of the best-fitting free block (see pool.h).
   const bool small = size < small_threshold_ && alignment == granule_;
   block* b = find_fit_locked(size, alignment, small);
   if (b == nullptr && grow_locked(size, alignment)) b = find_fit_locked(size, alignment, small);
   if (b == nullptr) {
-    if (flags & TFMG_ALLOC_MUST_SUCCEED) return allocate_direct_locked(size, alignment, true, error);
+    if (flags & TFMG_ALLOC_MUST_SUCCEED) {
+      return allocate_direct_locked(size, alignment, true, kind, error);
+    }
     refuse_locked(bytes, alignment, error);
     return nullptr;
   }
@@ -296,7 +299,7 @@ bool pool::grow_locked(std::size_t size, std::size_t alignment) {
 }
 
 void* pool::allocate_direct_locked(std::size_t size, std::size_t alignment, bool overshoot,
-                                   pool_error* error) {
+                                   unsigned kind, pool_error* error) {
   void* p = upstream_->allocate(size, alignment);
   if (p == nullptr) {
     if (overshoot) {
@@ -313,6 +316,8 @@ void* pool::allocate_direct_locked(std::size_t size, std::size_t alignment, bool
     overshoot_in_use_ += size;
     peak_overshoot_ = std::max(peak_overshoot_, overshoot_in_use_);
     ++num_overshoots_;
+    ++overshoots_by_kind_[kind];
+    overshoot_bytes_by_kind_[kind] += static_cast<std::int64_t>(size);
   } else {
     passthrough_in_use_ += size;
   }
@@ -565,6 +570,10 @@ void pool::fill_stats_locked(tfmg_stats* s) const {
   s->overshoot_bytes_in_use = static_cast<std::int64_t>(overshoot_in_use_);
   s->peak_overshoot_bytes = static_cast<std::int64_t>(peak_overshoot_);
   s->num_overshoots = num_overshoots_;
+  for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
+    s->overshoots_by_kind[k] = overshoots_by_kind_[k];
+    s->overshoot_bytes_by_kind[k] = overshoot_bytes_by_kind_[k];
+  }
   s->fragmentation =
       s->bytes_free == 0
           ? 0.0

@@ -160,7 +160,7 @@ class pool {
   bool grow_locked(std::size_t size, std::size_t alignment);
   std::size_t release_unused_locked();
   void* allocate_direct_locked(std::size_t size, std::size_t alignment, bool overshoot,
-                               pool_error* error);
+                               unsigned kind, pool_error* error);
   void free_block_locked(block* b);
   void refuse_locked(std::size_t bytes, std::size_t alignment, pool_error* error);
   void note_alloc_locked(std::size_t size);
@@ -199,6 +199,8 @@ class pool {
   std::int64_t num_frees_ = 0;
   std::int64_t num_refusals_ = 0;
   std::int64_t num_overshoots_ = 0;
+  std::int64_t overshoots_by_kind_[TFMG_NUM_KINDS] = {};
+  std::int64_t overshoot_bytes_by_kind_[TFMG_NUM_KINDS] = {};
   std::size_t peak_in_use_ = 0;
   std::size_t window_peak_ = 0;
   std::size_t peak_reserved_ = 0;

@@ -1,0 +1,75 @@
+// Process-wide state of the core: one pool per device name, shared by the TensorFlow
+// plugin and the Python module (both reach this same copy of libtfmg_core.so), and
+// what the plugin reported about itself.
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+
+#include "cc/tfmg/c_api.h"
+
+namespace {
+
+struct registry {
+  std::mutex mutex;
+  std::map<std::string, tfmg_pool*> pools;  // never destroyed: TF may free at exit
+  std::set<std::string> claims;
+  std::string plugin_path;
+};
+
+registry& get() {
+  // Leaked on purpose: TensorFlow frees tensors during static destruction, after which
+  // a destroyed registry (or pool) would be used.
+  static registry* r = new registry;
+  return *r;
+}
+
+std::atomic<int> plugin_state{0};
+
+}  // namespace
+
+extern "C" {
+
+tfmg_status tfmg_device_pool(const char* device, tfmg_pool** out) {
+  if (device == nullptr || *device == '\0' || out == nullptr) return TFMG_ERROR_INVALID_ARGUMENT;
+  registry& r = get();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.pools.find(device);
+  if (it != r.pools.end()) {
+    *out = it->second;
+    return TFMG_OK;
+  }
+  tfmg_pool_options o;
+  tfmg_pool_options_init(&o);
+  tfmg_pool* p = nullptr;
+  const tfmg_status s = tfmg_pool_create(&o, &p);
+  if (s != TFMG_OK) return s;
+  r.pools.emplace(device, p);
+  *out = p;
+  return TFMG_OK;
+}
+
+int tfmg_claim_once(const char* key) {
+  if (key == nullptr) return 0;
+  registry& r = get();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.claims.insert(key).second ? 1 : 0;
+}
+
+void tfmg_plugin_set_state(int flags) { plugin_state.fetch_or(flags); }
+int tfmg_plugin_state(void) { return plugin_state.load(); }
+
+void tfmg_plugin_set_path(const char* path) {
+  registry& r = get();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.plugin_path = path == nullptr ? "" : path;
+}
+
+const char* tfmg_plugin_path(void) {
+  registry& r = get();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.plugin_path.c_str();  // set once at plugin load, stable after
+}
+
+}  // extern "C"

@@ -1,0 +1,45 @@
+"""Runs TensorFlow scenarios in their own Python processes.
+
+The plugin is loaded by `import tensorflow` and a crash must not take the test run with
+it, so every TensorFlow scenario runs in a fresh interpreter. A scenario prints one JSON
+object as its last line of stdout; run() returns it with the exit code and stderr.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+PRELUDE = """
+import os, sys, json, gc
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+def emit(**kw):
+    print(json.dumps(kw), flush=True)
+"""
+
+# A hard budget needs oneDNN off (its kernels crash on a refused allocation; see
+# cc/tf/plugin.cc). Tests of the hard path set this; tests of the oneDNN path unset it.
+HARD = {"TF_ENABLE_ONEDNN_OPTS": "0"}
+ONEDNN = {"TF_ENABLE_ONEDNN_OPTS": "1"}
+
+
+class Result:
+    def __init__(self, returncode, out, err):
+        self.returncode = returncode
+        self.stdout = out
+        self.stderr = err
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        self.data = json.loads(lines[-1]) if lines else None
+
+    def __repr__(self):
+        return f"Result(rc={self.returncode}, data={self.data}, stderr tail={self.stderr[-1500:]!r})"
+
+
+def run(code, env=None, timeout=600):
+    full_env = dict(os.environ)
+    for key in ("TF_MEMGUARD_DISABLE", "TF_CPU_ALLOCATOR_USE_BFC", "TF_MEMGUARD_CORE"):
+        full_env.pop(key, None)
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    return Result(proc.returncode, proc.stdout, proc.stderr)

@@ -1,0 +1,167 @@
+"""install(): give TensorFlow's CPU tensors a hard budget, through the plugin's pool."""
+import dataclasses
+import os
+import re
+import threading
+
+from tf_memguard import _core
+from tf_memguard._units import HELP, format_bytes, parse_bytes
+
+_lock = threading.Lock()
+_configs = {}  # device -> Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The budget in force on a device, as returned by install() and config().
+
+    Attributes:
+        device: "CPU:0".
+        max_bytes: the budget in bytes.
+        requested: what was passed as max_bytes ("6GB", 0.5, ...).
+        predating_bytes: bytes TensorFlow had allocated on the device before the first
+            install() (not under the budget; freed normally later).
+        total_memory: the device's memory (host: physical memory, or the cgroup limit).
+        plugin_path: the TensorFlow plugin that routes tensors to the pool.
+    """
+
+    device: str
+    max_bytes: int
+    requested: object
+    predating_bytes: int
+    total_memory: int
+    plugin_path: str
+
+    @property
+    def serving(self):
+        """True once TensorFlow has taken its CPU allocator from tf_memguard."""
+        return bool(_core.plugin_state() & _core.PLUGIN_SERVING)
+
+    def __str__(self):
+        return (f"{self.device}: budget {format_bytes(self.max_bytes)} ({self.max_bytes} bytes) "
+                f"of {format_bytes(self.total_memory)}")
+
+
+def normalize_device(device):
+    """'CPU:0', 'cpu', '/device:CPU:0', '/job:localhost/replica:0/task:0/device:CPU:0' -> 'CPU:0'."""
+    if not isinstance(device, str):
+        raise ValueError(f"device={device!r}: must be a string such as 'CPU:0'")
+    m = re.fullmatch(r"(?:.*/)?(?:device:)?([A-Za-z]+)(?::(\d+))?", device.strip())
+    if not m:
+        raise ValueError(f"device={device!r}: must look like 'CPU:0'")
+    kind, index = m.group(1).upper(), int(m.group(2) or 0)
+    if kind == "CPU":
+        if index != 0:
+            raise ValueError(f"device={device!r}: TensorFlow has one CPU allocator; use 'CPU:0'")
+        return "CPU:0"
+    if kind in ("GPU", "CUDA"):
+        raise ValueError(f"device={device!r}: GPU budgets need the CUDA upstream, which this build "
+                         "does not have; use 'CPU:0'")
+    raise ValueError(f"device={device!r}: unknown device type {kind!r}; use 'CPU:0'")
+
+
+def _env_true(name):
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
+def _check_plugin():
+    """Import TensorFlow (which loads the plugin) and check that tensors will reach the pool."""
+    import tensorflow  # noqa: F401  (loads site-packages/tensorflow-plugins/)
+
+    state = _core.plugin_state()
+    if state & _core.PLUGIN_DISABLED:
+        raise RuntimeError("tf_memguard's TensorFlow plugin is turned off (TF_MEMGUARD_DISABLE=1 in the "
+                           "environment), so no budget can be enforced. Unset it and restart Python.")
+    if not state & _core.PLUGIN_LOADED:
+        raise RuntimeError(
+            "tf_memguard's TensorFlow plugin was not loaded by `import tensorflow` (no "
+            "libtf_memguard_plugin.so in a site-packages/tensorflow-plugins/ folder, or it was built "
+            "without TensorFlow). Install TensorFlow first, then reinstall tf_memguard: "
+            "pip install tensorflow-cpu==2.21.0 && pip install --force-reinstall --no-deps tf_memguard")
+    if not state & _core.PLUGIN_REGISTERED:
+        raise RuntimeError("tf_memguard's TensorFlow plugin loaded but did not register its allocator "
+                           "(see the warning it printed at `import tensorflow`).")
+    if _env_true("TF_CPU_ALLOCATOR_USE_BFC"):
+        raise RuntimeError(
+            "TF_CPU_ALLOCATOR_USE_BFC=true makes TensorFlow use its own BFC allocator on the CPU and "
+            "bypass tf_memguard, so a budget would not be enforced. Unset it before starting Python.")
+
+
+def device_pool(device="CPU:0"):
+    """The process-wide pool of `device`, shared with TensorFlow (a tf_memguard.Pool)."""
+    return _core.device_pool(normalize_device(device))
+
+
+def install(max_bytes, device="CPU:0"):
+    """Puts TensorFlow's tensors on `device` under a hard budget of `max_bytes`.
+
+    Call it before building the model. From then on every tensor TensorFlow allocates on
+    the device comes out of tf_memguard's pool, which never reserves more than the
+    budget: a kernel's request that does not fit fails with TensorFlow's
+    ResourceExhaustedError (the process, the model and its weights stay usable), and
+    requests TensorFlow cannot survive a refusal of (numpy or Python values turned into
+    tensors, XLA buffers) are granted and counted as overshoot in stats().
+
+    Calling it again changes the budget (raising it always works; lowering it below what
+    the pool holds in regions with live tensors raises OutOfBudgetError and keeps the old
+    one). Tensors allocated before the first install() are not under the budget; the
+    report says how much that was (Config.predating_bytes).
+
+    Args:
+        max_bytes: the budget: an int (bytes), a float in (0, 1] (a fraction of the
+            device's memory: for the host, physical memory or the cgroup limit if lower),
+            or a string such as "6GB", "512MiB" or "50%".
+        device: "CPU:0" (the default). Defaults to "CPU:0".
+
+    Returns:
+        The Config in force.
+
+    Raises:
+        ValueError: a bad max_bytes or device, naming the value.
+        RuntimeError: TensorFlow would bypass the pool (plugin missing or turned off,
+            TF_CPU_ALLOCATOR_USE_BFC=true); the message says what to do.
+
+    Example:
+        >>> import tf_memguard
+        >>> tf_memguard.install(max_bytes="2GiB")
+    """
+    device = normalize_device(device)
+    _check_plugin()
+    pool = _core.device_pool(device)
+    total = pool.total_memory()
+    n = parse_bytes(max_bytes, total)
+    with _lock:
+        previous = _configs.get(device)
+        predating = previous.predating_bytes if previous else pool.stats()["passthrough_bytes_in_use"]
+        pool.set_limit(n)
+        cfg = Config(device=device, max_bytes=n, requested=max_bytes, predating_bytes=predating,
+                     total_memory=total, plugin_path=_core.plugin_path())
+        _configs[device] = cfg
+    return cfg
+
+
+def config(device="CPU:0"):
+    """The Config in force on `device`, or None before install()."""
+    return _configs.get(normalize_device(device))
+
+
+def stats(device="CPU:0"):
+    """The pool's statistics for `device` as a dict (TensorFlow's field names and more).
+
+    Works with and without install(): without it, the pool passes allocations through
+    to host memory and still counts them.
+    """
+    return _core.device_pool(normalize_device(device)).stats()
+
+
+def last_refusal(device="CPU:0"):
+    """The state at the most recent refused request on `device` (a dict), or None."""
+    return _core.device_pool(normalize_device(device)).last_refusal()
+
+
+def reset_peak(device="CPU:0"):
+    """Starts a new window for stats()["window_peak_bytes_in_use"] (e.g. per epoch)."""
+    _core.device_pool(normalize_device(device)).reset_peak()
+
+
+__all__ = ["Config", "HELP", "config", "device_pool", "install", "last_refusal", "reset_peak", "stats"]
