@@ -35,11 +35,12 @@ class Result:
         return f"Result(rc={self.returncode}, data={self.data}, stderr tail={self.stderr[-1500:]!r})"
 
 
-def run(code, env=None, timeout=600):
+def run(*parts, env=None, timeout=600):
+    """Runs the code `parts` (each dedented on its own, then joined) in a fresh Python."""
     full_env = dict(os.environ)
     for key in ("TF_MEMGUARD_DISABLE", "TF_CPU_ALLOCATOR_USE_BFC", "TF_MEMGUARD_CORE"):
         full_env.pop(key, None)
     full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=full_env,
+    proc = subprocess.run([sys.executable, "-c", PRELUDE + "\n".join(textwrap.dedent(p) for p in parts)], env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     return Result(proc.returncode, proc.stdout, proc.stderr)

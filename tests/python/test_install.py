@@ -1,0 +1,81 @@
+"""install(): arguments, reconfiguration, and what predates the budget."""
+import pytest
+
+import tf_memguard
+from tf_memguard._install import normalize_device
+from tfproc import run
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("value,expected", [
+    (1000, 1000),
+    ("6GB", 6 * 10**9),
+    ("512MiB", 512 << 20),
+    ("1.5 GiB", 3 * (1 << 29)),
+    ("2g", 2 * GiB),
+    ("100", 100),
+    (0.5, 8 * GiB),
+    (1.0, 16 * GiB),
+    ("25%", 4 * GiB),
+])
+def test_max_bytes_accepts_bytes_fractions_and_strings(value, expected):
+    assert tf_memguard.parse_bytes(value, total=16 * GiB) == expected
+
+
+@pytest.mark.parametrize("value", [0, -1, 0.0, 1.5, -0.2, True, "abc", "6 parsecs", "", "0GB", None, [1], "150%"])
+def test_bad_max_bytes_raise_value_error_naming_the_value(value):
+    with pytest.raises(ValueError, match=r"max_bytes=.*: must be"):
+        tf_memguard.parse_bytes(value, total=16 * GiB)
+
+
+@pytest.mark.parametrize("device", ["CPU:0", "cpu", "CPU", "/device:CPU:0",
+                                    "/job:localhost/replica:0/task:0/device:CPU:0"])
+def test_cpu_device_names_normalize(device):
+    assert normalize_device(device) == "CPU:0"
+
+
+@pytest.mark.parametrize("device,match", [("GPU:0", "CUDA upstream"), ("CPU:1", "one CPU allocator"),
+                                          ("TPU:0", "unknown device type"), (3, "must be a string")])
+def test_unsupported_devices_say_what_to_use(device, match):
+    with pytest.raises(ValueError, match=match):
+        normalize_device(device)
+
+
+def test_format_bytes_matches_the_core():
+    assert tf_memguard.format_bytes(512) == "512 B"
+    assert tf_memguard.format_bytes(1342177280) == "1.25 GiB"
+    assert tf_memguard.format_bytes(180 << 20) == "180 MiB"
+    assert tf_memguard.format_bytes(10 << 20) == "10.0 MiB"
+
+
+@pytest.mark.tf
+def test_install_reconfigures_and_reports_what_predates_the_budget():
+    r = run("""
+        import tensorflow as tf, tf_memguard
+        early = tf.ones([256, 1024])          # 1 MiB before any budget
+        try:
+            tf_memguard.install(max_bytes=0)
+        except ValueError as e:
+            bad = str(e)
+        cfg = tf_memguard.install(max_bytes=0.25)
+        first = tf_memguard.stats()
+        cfg2 = tf_memguard.install(max_bytes="64MiB")   # a second install changes the budget
+        later = tf.zeros([1024, 1024])
+        s = tf_memguard.stats()
+        del early
+        emit(bad=bad, limit1=first["bytes_limit"], total=cfg.total_memory, predating=cfg.predating_bytes,
+             predating2=cfg2.predating_bytes, limit2=s["bytes_limit"], serving=cfg2.serving,
+             passthrough_after_free=tf_memguard.stats()["passthrough_bytes_in_use"],
+             config=str(tf_memguard.config()), reserved=s["bytes_reserved"])
+    """)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["bad"].startswith("max_bytes=0: must be a positive number of bytes")
+    assert d["limit1"] == d["total"] // 4
+    assert d["predating"] >= 1 << 20 and d["predating2"] == d["predating"]
+    assert d["limit2"] == 64 << 20
+    assert d["serving"] is True
+    assert d["passthrough_after_free"] < d["predating"]   # freed correctly after install()
+    assert d["config"].startswith("CPU:0: budget 64.0 MiB (67108864 bytes)")
+    assert 0 < d["reserved"] <= 64 << 20

@@ -1,0 +1,196 @@
+"""Over the budget, TensorFlow either raises ResourceExhaustedError (kernel requests) or
+the request is granted and counted as overshoot (requests TF cannot survive a refusal
+of) -- and the process never crashes. Each scenario runs in its own process."""
+import pytest
+
+from tfproc import HARD, ONEDNN, run
+
+pytestmark = pytest.mark.tf
+
+REPORT = """
+s = tf_memguard.stats()
+r = tf_memguard.last_refusal()
+emit(outcome=outcome, refusals=s["num_refusals"], overshoot=s["overshoot_bytes_by_kind"],
+     refusal=r, peak_reserved=s["peak_bytes_reserved"], limit=s["bytes_limit"])
+"""
+
+MODEL = """
+import numpy as np, tensorflow as tf, keras
+def make_model():
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Conv2D(16, 3, activation="relu"),
+                          keras.layers.Flatten(), keras.layers.Dense(10)])
+    m.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return m
+rng = np.random.default_rng(0)
+x = rng.random((512, 32, 32, 3), dtype=np.float32)
+y = rng.integers(0, 10, 512)
+"""
+
+
+def check_refused(r):
+    assert r.returncode == 0, r
+    assert r.data["outcome"] == "ResourceExhaustedError", r
+    assert r.data["refusals"] >= 1
+    ref = r.data["refusal"]
+    assert ref["bytes_limit"] == r.data["limit"]
+    assert ref["requested_bytes"] > ref["largest_allocatable_bytes"]
+    assert r.data["peak_reserved"] <= r.data["limit"]
+
+
+def test_eager_op_over_budget_raises_resource_exhausted():
+    r = run("""
+        import tensorflow as tf, tf_memguard
+        tf_memguard.install(max_bytes="16MiB")
+        try:
+            tf.zeros([64, 1024, 1024]); outcome = "ok"
+        except tf.errors.ResourceExhaustedError as e:
+            outcome = type(e).__name__
+            assert "by allocator tf_memguard" in str(e), str(e)
+        small = tf.ones([16]) * 3   # the process goes on
+        assert float(small[0]) == 3.0
+    """, REPORT, env=HARD)
+    check_refused(r)
+
+
+def test_numpy_conversion_over_budget_is_granted_as_overshoot():
+    r = run("""
+        import numpy as np, tensorflow as tf, tf_memguard
+        tf_memguard.install(max_bytes="16MiB")
+        # Misaligned for TensorFlow (64 bytes), so it copies through the allocator
+        # instead of adopting numpy's buffer.
+        a = np.ones(64 * 1024 * 1024 + 1, dtype=np.float32)[1:]
+        assert a.ctypes.data % 64 != 0
+        t = tf.constant(a)
+        outcome = "ok" if float(tf.reduce_sum(t[:1024])) == 1024.0 else "wrong"
+    """, REPORT, env=HARD)
+    assert r.returncode == 0, r
+    assert r.data["outcome"] == "ok"
+    # TF_NewTensor's copy is a 2-argument AllocateRaw: kind "raw".
+    assert r.data["overshoot"]["raw"] + r.data["overshoot"]["tensor"] >= 64 * 1024 * 1024 * 4
+    assert r.data["refusals"] == 0
+    assert r.data["peak_reserved"] <= r.data["limit"]
+
+
+def test_tf_data_pipeline_over_budget_raises_and_process_survives():
+    r = run("""
+        import numpy as np, tensorflow as tf, tf_memguard
+        tf_memguard.install(max_bytes="24MiB")
+        ds = tf.data.Dataset.range(4).map(lambda i: tf.fill([8, 1024, 1024], tf.cast(i, tf.float32)))
+        try:
+            for b in ds.batch(4):
+                pass
+            outcome = "ok"
+        except tf.errors.ResourceExhaustedError as e:
+            outcome = type(e).__name__
+    """, REPORT, env=HARD)
+    check_refused(r)
+
+
+def test_predict_over_budget_raises_and_model_still_predicts_smaller_batches():
+    r = run(MODEL, """
+        import tf_memguard
+        m = make_model()
+        m.predict(x[:8], verbose=0)
+        tf_memguard.install(max_bytes="40MiB")
+        try:
+            m.predict(x, batch_size=512, verbose=0); outcome = "ok"
+        except tf.errors.ResourceExhaustedError as e:
+            outcome = type(e).__name__
+        p = m.predict(x[:16], batch_size=8, verbose=0)
+        assert p.shape == (16, 10)
+    """, REPORT, env=HARD)
+    check_refused(r)
+
+
+def test_fit_over_budget_raises_resource_exhausted():
+    r = run(MODEL, """
+        import tf_memguard
+        tf_memguard.install(max_bytes="40MiB")
+        m = make_model()
+        try:
+            m.fit(x, y, batch_size=512, epochs=1, verbose=0); outcome = "ok"
+        except tf.errors.ResourceExhaustedError as e:
+            outcome = type(e).__name__
+    """, REPORT, env=HARD)
+    check_refused(r)
+
+
+def test_fit_with_xla_over_budget_does_not_crash_and_counts_overshoot():
+    r = run(MODEL, """
+        import tf_memguard
+        tf_memguard.install(max_bytes="8MiB")
+        m = make_model()
+        m.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+        try:
+            m.fit(x, y, batch_size=512, epochs=1, verbose=0); outcome = "ok"
+        except tf.errors.ResourceExhaustedError as e:
+            outcome = type(e).__name__
+        w = m.get_weights()   # variables are still there
+        assert all(np.isfinite(v).all() for v in w)
+        assert float(tf.reduce_sum(tf.ones([8]))) == 8.0
+    """, REPORT, env=HARD)
+    assert r.returncode == 0, r
+    assert r.data["outcome"] in ("ok", "ResourceExhaustedError")
+    assert r.data["peak_reserved"] <= r.data["limit"]
+    # Either a kernel request was refused (and TF raised), or what went over was
+    # granted as overshoot; never a crash.
+    over = sum(r.data["overshoot"].values())
+    assert (r.data["outcome"] == "ResourceExhaustedError" and r.data["refusals"] >= 1) or over > 0
+
+
+def test_onednn_kernels_over_budget_are_granted_instead_of_crashing():
+    r = run(MODEL, """
+        import tf_memguard
+        from tensorflow.python.util import _pywrap_util_port
+        tf_memguard.install(max_bytes="40MiB")
+        m = make_model()
+        try:
+            m.fit(x, y, batch_size=512, epochs=1, verbose=0); outcome = "ok"
+        except tf.errors.ResourceExhaustedError as e:
+            outcome = type(e).__name__
+        onednn = _pywrap_util_port.IsMklEnabled()
+    """, REPORT, """
+emit(onednn=onednn)
+""", env=ONEDNN)
+    assert r.returncode == 0, r  # no segfault in MklConvOp
+    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    import json
+    data, onednn = json.loads(lines[-2]), json.loads(lines[-1])["onednn"]
+    if not onednn:
+        pytest.skip("oneDNN is not available on this CPU")
+    assert data["refusals"] >= 1
+    assert data["overshoot"]["kernel"] > 0
+    assert "a oneDNN kernel asked for" in r.stderr
+
+
+def test_failed_fit_loses_nothing_and_a_smaller_batch_then_fits():
+    r = run(MODEL, """
+        import tf_memguard
+        m = make_model()
+        m.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)   # build and warm up
+        gc.collect()
+        tf_memguard.install(max_bytes="40MiB")
+        before = tf_memguard.stats()["bytes_in_use"]
+        weights = [w.copy() for w in m.get_weights()]
+        try:
+            m.fit(x, y, batch_size=512, epochs=1, verbose=0); outcome = "ok"
+        except tf.errors.ResourceExhaustedError as e:
+            outcome = type(e).__name__
+            del e
+        unchanged = all(np.array_equal(a, b) for a, b in zip(weights, m.get_weights()))
+        gc.collect()
+        after = tf_memguard.stats()["bytes_in_use"]
+        h = m.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        emit(outcome=outcome, unchanged=unchanged, before=before, after=after,
+             retry_loss=h.history["loss"][-1], peak_reserved=tf_memguard.stats()["peak_bytes_reserved"])
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["outcome"] == "ResourceExhaustedError"
+    assert d["unchanged"] is True
+    # Once the failed step's tensors are gone, the pool is back where it was (within the
+    # few small tensors Keras keeps, such as its step counter).
+    assert abs(d["after"] - d["before"]) <= 64 * 1024, d
+    assert d["retry_loss"] == d["retry_loss"]  # a number, not NaN
+    assert d["peak_reserved"] <= 40 << 20
