@@ -1,5 +1,6 @@
 // Host memory upstream: regions come from mmap (page-aligned, returned to the OS on
-// munmap); small direct blocks (pass-through and overshoot) from posix_memalign.
+// munmap); single blocks (pass-through and overshoot) from posix_memalign, as
+// TensorFlow's own CPU allocator does.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -12,9 +13,6 @@
 
 namespace tfmg {
 namespace {
-
-// Below this, mmap's page rounding and system-call cost outweigh its benefits.
-constexpr std::size_t kMmapThreshold = 256 * 1024;
 
 std::size_t read_cgroup_limit() {
   // cgroup v2, then v1. "max" or a huge number means no limit.
@@ -36,9 +34,9 @@ class host_upstream final : public upstream {
  public:
   host_upstream() : page_(static_cast<std::size_t>(sysconf(_SC_PAGESIZE))) {}
 
-  void* allocate(std::size_t bytes, std::size_t alignment) override {
+  void* allocate(std::size_t bytes, std::size_t alignment, bool region) override {
     if (bytes == 0) bytes = 1;
-    if (use_mmap(bytes, alignment)) {
+    if (region && alignment <= page_) {
       void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       return p == MAP_FAILED ? nullptr : p;
@@ -48,10 +46,10 @@ class host_upstream final : public upstream {
     return posix_memalign(&p, alignment, bytes) == 0 ? p : nullptr;
   }
 
-  void deallocate(void* p, std::size_t bytes, std::size_t alignment) override {
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment, bool region) override {
     if (p == nullptr) return;
     if (bytes == 0) bytes = 1;
-    if (use_mmap(bytes, alignment)) {
+    if (region && alignment <= page_) {
       munmap(p, bytes);
     } else {
       std::free(p);
@@ -70,9 +68,6 @@ class host_upstream final : public upstream {
   const char* name() const override { return "host"; }
 
  private:
-  bool use_mmap(std::size_t bytes, std::size_t alignment) const {
-    return bytes >= kMmapThreshold && alignment <= page_;
-  }
   std::size_t page_;
 };
 

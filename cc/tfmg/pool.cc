@@ -272,10 +272,10 @@ bool pool::grow_locked(std::size_t size, std::size_t alignment) {
   }
   const std::size_t room = round_down(limit_ - reserved_, page);
   std::size_t want = std::max(need, std::min(round_up(std::min(next_region_bytes_, room), page), room));
-  void* p = upstream_->allocate(want, page);
+  void* p = upstream_->allocate(want, page, true);
   if (p == nullptr && want > need) {
     want = need;
-    p = upstream_->allocate(want, page);
+    p = upstream_->allocate(want, page, true);
   }
   if (p == nullptr) return false;
 
@@ -300,7 +300,7 @@ bool pool::grow_locked(std::size_t size, std::size_t alignment) {
 
 void* pool::allocate_direct_locked(std::size_t size, std::size_t alignment, bool overshoot,
                                    unsigned kind, pool_error* error) {
-  void* p = upstream_->allocate(size, alignment);
+  void* p = upstream_->allocate(size, alignment, false);
   if (p == nullptr) {
     if (overshoot) {
       refuse_locked(size, alignment, error);
@@ -381,7 +381,7 @@ bool pool::deallocate(void* p, std::size_t* size_out, pool_error* error) {
   if (d != direct_.end()) {
     const direct_block db = d->second;
     direct_.erase(d);
-    upstream_->deallocate(p, db.size, db.alignment);
+    upstream_->deallocate(p, db.size, db.alignment, false);
     (db.overshoot ? overshoot_in_use_ : passthrough_in_use_) -= db.size;
     ++num_frees_;
     if (size_out != nullptr) *size_out = db.size;
@@ -499,7 +499,7 @@ std::size_t pool::release_unused_locked() {
     if (r->first->free && r->first->next == nullptr) {
       erase_free_locked(r->first);
       recycle_block_locked(r->first);
-      upstream_->deallocate(reinterpret_cast<void*>(r->base), r->size, upstream_->page_size());
+      upstream_->deallocate(reinterpret_cast<void*>(r->base), r->size, upstream_->page_size(), true);
       reserved_ -= r->size;
       released += r->size;
       it->reset();
@@ -515,10 +515,10 @@ std::size_t pool::release_unused_locked() {
 void pool::release_all() {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& r : regions_) {
-    upstream_->deallocate(reinterpret_cast<void*>(r->base), r->size, upstream_->page_size());
+    upstream_->deallocate(reinterpret_cast<void*>(r->base), r->size, upstream_->page_size(), true);
   }
   for (auto& d : direct_) {
-    upstream_->deallocate(reinterpret_cast<void*>(d.first), d.second.size, d.second.alignment);
+    upstream_->deallocate(reinterpret_cast<void*>(d.first), d.second.size, d.second.alignment, false);
   }
   regions_.clear();
   direct_.clear();

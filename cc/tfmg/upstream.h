@@ -19,9 +19,12 @@ class upstream {
 
   // Returns memory of at least `bytes`, aligned to `alignment` (a power of two no
   // larger than page_size() for regions), or nullptr when the upstream has none.
-  virtual void* allocate(std::size_t bytes, std::size_t alignment) = 0;
-  // Returns memory obtained from allocate() with the same bytes and alignment.
-  virtual void deallocate(void* p, std::size_t bytes, std::size_t alignment) = 0;
+  // `region`: a long-lived piece the pool carves (host: mmap); otherwise a single block
+  // served outside the pool, pass-through or overshoot (host: aligned malloc, whose
+  // caching keeps pass-through as fast as TensorFlow's own CPU allocator).
+  virtual void* allocate(std::size_t bytes, std::size_t alignment, bool region) = 0;
+  // Returns memory obtained from allocate() with the same arguments.
+  virtual void deallocate(void* p, std::size_t bytes, std::size_t alignment, bool region) = 0;
 
   // The alignment every block gets unless the request asks for more.
   virtual std::size_t default_alignment() const = 0;
@@ -32,7 +35,7 @@ class upstream {
   virtual const char* name() const = 0;
 };
 
-// Host memory: mmap for pieces of at least one page-multiple MiB, aligned malloc below.
+// Host memory: mmap for regions, aligned malloc for single blocks.
 std::unique_ptr<upstream> make_host_upstream();
 
 }  // namespace tfmg
