@@ -89,6 +89,8 @@ py::dict stats_dict(const tfmg_stats& s) {
   d["overshoot_bytes_in_use"] = s.overshoot_bytes_in_use;
   d["peak_overshoot_bytes"] = s.peak_overshoot_bytes;
   d["num_overshoots"] = s.num_overshoots;
+  d["batch_bytes_in_use"] = s.batch_bytes_in_use;
+  d["window_peak_batch_bytes"] = s.window_peak_batch_bytes;
   static const char* const kinds[] = {"other", "kernel", "tensor", "raw"};
   py::dict by_kind, bytes_by_kind;
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
@@ -111,6 +113,10 @@ py::dict refusal_dict(const tfmg_refusal& r) {
   d["largest_free_block_bytes"] = r.largest_free_block_bytes;
   d["largest_allocatable_bytes"] = r.largest_allocatable_bytes;
   d["bytes_limit"] = r.bytes_limit;
+  d["batch_bytes_in_use"] = r.batch_bytes_in_use;
+  d["requested_batch"] = r.requested_batch != 0;
+  static const char* const kinds[] = {"other", "kernel", "tensor", "raw"};
+  d["kind"] = kinds[r.kind & 3];
   return d;
 }
 
@@ -142,13 +148,15 @@ class Pool {
     return pool_;
   }
 
-  uintptr_t allocate(const py::object& nbytes, const py::object& alignment, bool must_succeed) {
+  uintptr_t allocate(const py::object& nbytes, const py::object& alignment, bool must_succeed,
+                     bool batch) {
     const uint64_t n = to_u64(nbytes, "nbytes", true);
     const uint64_t a = to_u64(alignment, "alignment", false);
     tfmg_pool* p = get();
     void* out = nullptr;
     call([&] {
-      return tfmg_pool_allocate(p, n, a, must_succeed ? TFMG_ALLOC_MUST_SUCCEED : 0, &out);
+      return tfmg_pool_allocate(
+          p, n, a, (must_succeed ? TFMG_ALLOC_MUST_SUCCEED : 0u) | (batch ? TFMG_ALLOC_BATCH : 0u), &out);
     });
     return reinterpret_cast<uintptr_t>(out);
   }
@@ -338,7 +346,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("max_bytes") = 0, py::arg("alignment") = 0, py::arg("region_bytes") = 0,
            py::arg("small_threshold") = 0, py::arg("trace_capacity") = 0)
       .def("allocate", &Pool::allocate, py::arg("nbytes"), py::arg("alignment") = 0,
-           py::arg("must_succeed") = false)
+           py::arg("must_succeed") = false, py::arg("batch") = false)
       .def("free", &Pool::free, py::arg("address"))
       .def("block_size", &Pool::block_size, py::arg("address"))
       .def("set_limit", &Pool::set_limit, py::arg("max_bytes"))
@@ -364,6 +372,10 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("device"), "The process-wide pool of a device, shared with the TensorFlow plugin.");
   m.def("plugin_state", &tfmg_plugin_state);
+  m.def("set_profile_batch", &tfmg_set_profile_batch, py::arg("batch_size"),
+        "While non-zero, the TensorFlow plugin tags kernel allocations whose first dimension is "
+        "this batch size, so the pool can split a step's peak into fixed and per-sample bytes.");
+  m.def("profile_batch", &tfmg_profile_batch);
   m.def("plugin_path", []() { return std::string(tfmg_plugin_path()); });
   m.attr("PLUGIN_LOADED") = TFMG_PLUGIN_LOADED;
   m.attr("PLUGIN_REGISTERED") = TFMG_PLUGIN_REGISTERED;

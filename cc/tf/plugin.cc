@@ -34,6 +34,7 @@
 #include "cc/tfmg/c_api.h"
 #include "xla/tsl/framework/allocator.h"
 #include "xla/tsl/framework/allocator_registry.h"
+#include "tsl/profiler/lib/scoped_memory_debug_annotation.h"
 
 namespace tensorflow {
 bool IsMKLEnabled();  // libtensorflow_framework: oneDNN on at run time
@@ -57,6 +58,7 @@ struct core_api {
   decltype(&tfmg_pool_deallocate) deallocate;
   decltype(&tfmg_pool_get_stats) get_stats;
   decltype(&tfmg_pool_clear_stats) clear_stats;
+  decltype(&tfmg_profile_batch) profile_batch;
 };
 
 core_api g_api;
@@ -122,7 +124,8 @@ bool load_core() {
                   bind(h, "tfmg_pool_allocate", &g_api.allocate) &&
                   bind(h, "tfmg_pool_deallocate", &g_api.deallocate) &&
                   bind(h, "tfmg_pool_get_stats", &g_api.get_stats) &&
-                  bind(h, "tfmg_pool_clear_stats", &g_api.clear_stats);
+                  bind(h, "tfmg_pool_clear_stats", &g_api.clear_stats) &&
+                  bind(h, "tfmg_profile_batch", &g_api.profile_batch);
   if (!ok) {
     warn("libtfmg_core.so lacks a symbol this plugin needs; TensorFlow keeps its own allocator. "
          "Reinstall tf_memguard so both come from one build.");
@@ -164,6 +167,21 @@ std::string human(uint64_t bytes) {
   return buf;
 }
 
+// While a batch size is being profiled: TFMG_ALLOC_BATCH if the tensor being allocated
+// has it as its first dimension. OpKernelContext::allocate_tensor announces the shape
+// through the thread's memory-debug annotation; reading it formats a string, so this
+// runs only during the few steps MemGuardCallback profiles.
+uint32_t batch_tag() {
+  const int64_t batch = g_api.profile_batch();
+  if (batch <= 0) return 0;
+  const auto& note = tsl::profiler::ScopedMemoryDebugAnnotation::CurrentAnnotation();
+  if (!note.pending_shape_func) return 0;
+  const std::string shape = note.pending_shape_func();  // "[64,30,30,16]"
+  if (shape.size() < 3 || shape[0] != '[') return 0;
+  const long long first = std::strtoll(shape.c_str() + 1, nullptr, 10);
+  return first == batch ? TFMG_ALLOC_BATCH : 0;
+}
+
 class pool_allocator final : public tsl::Allocator {
  public:
   explicit pool_allocator(tfmg_pool* pool) : pool_(pool) {}
@@ -180,10 +198,10 @@ class pool_allocator final : public tsl::Allocator {
     // Only kernels (OpKernelContext) set allocation_will_be_logged, and only there does
     // TensorFlow turn a null into ResourceExhaustedError.
     if (attrs.allocation_will_be_logged) {
-      void* p = allocate(alignment, num_bytes, TFMG_ALLOC_KIND(TFMG_KIND_KERNEL));
+      const uint32_t tag = batch_tag() | TFMG_ALLOC_KIND(TFMG_KIND_KERNEL);
+      void* p = allocate(alignment, num_bytes, tag);
       if (p == nullptr && onednn_kernel_on_stack()) {
-        p = allocate(alignment, num_bytes,
-                     TFMG_ALLOC_MUST_SUCCEED | TFMG_ALLOC_KIND(TFMG_KIND_KERNEL));
+        p = allocate(alignment, num_bytes, TFMG_ALLOC_MUST_SUCCEED | tag);
         static std::atomic<bool> warned{false};
         if (p != nullptr && !warned.exchange(true)) {
           warn("a oneDNN kernel asked for " + human(num_bytes) +
@@ -196,7 +214,7 @@ class pool_allocator final : public tsl::Allocator {
       return p;
     }
     return allocate(alignment, num_bytes,
-                    TFMG_ALLOC_MUST_SUCCEED | TFMG_ALLOC_KIND(TFMG_KIND_TENSOR));
+                    TFMG_ALLOC_MUST_SUCCEED | TFMG_ALLOC_KIND(TFMG_KIND_TENSOR) | batch_tag());
   }
 
   // Pointers the pool does not know (seen after an XLA out-of-memory) are ignored:

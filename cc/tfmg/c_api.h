@@ -41,6 +41,11 @@ typedef enum tfmg_status {
  * say). If the budget cannot serve the request, it is taken straight from the upstream
  * and accounted as overshoot. Fails only when the upstream itself fails. */
 #define TFMG_ALLOC_MUST_SUCCEED 1u
+/* The block's size is proportional to the training batch (its first dimension is the
+ * batch size), as classified by the caller while profiling (tfmg_set_profile_batch).
+ * The pool keeps how many such bytes are live, and how many were at the window peak:
+ * the split of a step's peak into a fixed part and a per-sample part. */
+#define TFMG_ALLOC_BATCH 2u
 /* What asked for the memory, in bits 8-11 of the flags: TFMG_ALLOC_KIND(TFMG_KIND_...).
  * Only used to account overshoot by kind. */
 #define TFMG_ALLOC_KIND_SHIFT 8
@@ -97,6 +102,8 @@ typedef struct tfmg_stats {
   int64_t overshoot_bytes_in_use;  /* MUST_SUCCEED bytes granted over the budget */
   int64_t peak_overshoot_bytes;
   int64_t num_overshoots;
+  int64_t batch_bytes_in_use;      /* of bytes_in_use, blocks tagged TFMG_ALLOC_BATCH */
+  int64_t window_peak_batch_bytes; /* batch-tagged bytes live at the window peak */
   int64_t overshoots_by_kind[TFMG_NUM_KINDS];      /* cumulative, indexed by TFMG_KIND_* */
   int64_t overshoot_bytes_by_kind[TFMG_NUM_KINDS]; /* cumulative bytes granted over budget */
   /* 1 - largest_free_block_bytes / bytes_free, in [0, 1); 0 when nothing is free.
@@ -114,6 +121,9 @@ typedef struct tfmg_refusal {
   int64_t largest_free_block_bytes;
   int64_t largest_allocatable_bytes;
   int64_t bytes_limit;
+  int64_t batch_bytes_in_use;      /* batch-tagged bytes live at the refusal */
+  int32_t requested_batch;         /* 1 if the refused request was batch-tagged */
+  int32_t kind;                    /* TFMG_KIND_* of the refused request */
 } tfmg_refusal;
 
 typedef enum tfmg_trace_op {
@@ -196,6 +206,11 @@ TFMG_API tfmg_status tfmg_device_pool(const char* device, tfmg_pool** out);
 /* 1 for the first call with a given key in this process, 0 after: lets only the first
  * of several loaded copies of the plugin register with TensorFlow. */
 TFMG_API int tfmg_claim_once(const char* key);
+
+/* The batch size being profiled (0: none). While it is set, the TensorFlow plugin
+ * tags kernel allocations whose first dimension equals it with TFMG_ALLOC_BATCH. */
+TFMG_API void tfmg_set_profile_batch(int64_t batch_size);
+TFMG_API int64_t tfmg_profile_batch(void);
 
 /* What the TensorFlow plugin did, for Python to report (bit flags). */
 #define TFMG_PLUGIN_LOADED 1         /* the plugin found this core */

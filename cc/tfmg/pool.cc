@@ -107,12 +107,11 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
   std::lock_guard<std::mutex> lock(mutex_);
   // Anything above half the address space cannot be served and would overflow rounding.
   if (bytes > (std::numeric_limits<std::size_t>::max() >> 1)) {
-    refuse_locked(bytes, alignment, error);
+    refuse_locked(bytes, alignment, flags, error);
     return nullptr;
   }
   const std::size_t size = bytes == 0 ? granule_ : round_up(bytes, granule_);
-  const unsigned kind = (flags >> TFMG_ALLOC_KIND_SHIFT) % TFMG_NUM_KINDS;
-  if (limit_ == 0) return allocate_direct_locked(size, alignment, false, kind, error);
+  if (limit_ == 0) return allocate_direct_locked(size, alignment, false, flags, error);
 
   // Small blocks go to the high end of the best-fitting free block (see pool.h).
   const bool small = size < small_threshold_ && alignment == granule_;
@@ -120,15 +119,16 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
   if (b == nullptr && grow_locked(size, alignment)) b = find_fit_locked(size, alignment, small);
   if (b == nullptr) {
     if (flags & TFMG_ALLOC_MUST_SUCCEED) {
-      return allocate_direct_locked(size, alignment, true, kind, error);
+      return allocate_direct_locked(size, alignment, true, flags, error);
     }
-    refuse_locked(bytes, alignment, error);
+    refuse_locked(bytes, alignment, flags, error);
     return nullptr;
   }
   b = carve_locked(b, size, alignment, small);
+  b->batch = (flags & TFMG_ALLOC_BATCH) != 0;
   live_.insert(b->addr, b);
   pooled_in_use_ += b->size;
-  note_alloc_locked(b->size);
+  note_alloc_locked(b->size, b->batch);
   if (trace_.enabled()) {
     trace_.record(TFMG_TRACE_ALLOC, b->owner->index, b->size, b->addr - b->owner->base, b->addr);
   }
@@ -299,11 +299,13 @@ bool pool::grow_locked(std::size_t size, std::size_t alignment) {
 }
 
 void* pool::allocate_direct_locked(std::size_t size, std::size_t alignment, bool overshoot,
-                                   unsigned kind, pool_error* error) {
+                                   unsigned flags, pool_error* error) {
+  const unsigned kind = (flags >> TFMG_ALLOC_KIND_SHIFT) % TFMG_NUM_KINDS;
+  const bool batch = (flags & TFMG_ALLOC_BATCH) != 0;
   void* p = upstream_->allocate(size, alignment, false);
   if (p == nullptr) {
     if (overshoot) {
-      refuse_locked(size, alignment, error);
+      refuse_locked(size, alignment, flags, error);
     } else {
       error->status = TFMG_ERROR_OUT_OF_MEMORY;
       error->message = "cannot allocate " + format_bytes(size) + " (" + std::to_string(size) +
@@ -311,7 +313,7 @@ void* pool::allocate_direct_locked(std::size_t size, std::size_t alignment, bool
     }
     return nullptr;
   }
-  direct_.emplace(reinterpret_cast<std::uintptr_t>(p), direct_block{size, alignment, overshoot});
+  direct_.emplace(reinterpret_cast<std::uintptr_t>(p), direct_block{size, alignment, overshoot, batch});
   if (overshoot) {
     overshoot_in_use_ += size;
     peak_overshoot_ = std::max(peak_overshoot_, overshoot_in_use_);
@@ -321,7 +323,7 @@ void* pool::allocate_direct_locked(std::size_t size, std::size_t alignment, bool
   } else {
     passthrough_in_use_ += size;
   }
-  note_alloc_locked(size);
+  note_alloc_locked(size, batch);
   if (trace_.enabled()) {
     trace_.record(overshoot ? TFMG_TRACE_OVERSHOOT : TFMG_TRACE_ALLOC, -1, size, 0,
                   reinterpret_cast<std::uintptr_t>(p));
@@ -329,15 +331,20 @@ void* pool::allocate_direct_locked(std::size_t size, std::size_t alignment, bool
   return p;
 }
 
-void pool::note_alloc_locked(std::size_t size) {
+void pool::note_alloc_locked(std::size_t size, bool batch) {
   ++num_allocs_;
   largest_alloc_ = std::max(largest_alloc_, size);
+  if (batch) batch_in_use_ += size;
   const std::size_t in_use = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
   peak_in_use_ = std::max(peak_in_use_, in_use);
-  window_peak_ = std::max(window_peak_, in_use);
+  if (in_use > window_peak_) {
+    window_peak_ = in_use;
+    window_peak_batch_ = batch_in_use_;  // the split of the peak, as it was then
+  }
 }
 
-void pool::refuse_locked(std::size_t bytes, std::size_t alignment, pool_error* error) {
+void pool::refuse_locked(std::size_t bytes, std::size_t alignment, unsigned flags,
+                         pool_error* error) {
   ++num_refusals_;
   has_refusal_ = true;
   last_refusal_.sequence = static_cast<std::uint64_t>(num_refusals_);
@@ -350,6 +357,9 @@ void pool::refuse_locked(std::size_t bytes, std::size_t alignment, pool_error* e
   last_refusal_.largest_free_block_bytes = static_cast<std::int64_t>(largest_free_locked());
   last_refusal_.largest_allocatable_bytes = static_cast<std::int64_t>(largest_allocatable_locked());
   last_refusal_.bytes_limit = static_cast<std::int64_t>(limit_);
+  last_refusal_.batch_bytes_in_use = static_cast<std::int64_t>(batch_in_use_);
+  last_refusal_.requested_batch = (flags & TFMG_ALLOC_BATCH) != 0 ? 1 : 0;
+  last_refusal_.kind = static_cast<std::int32_t>((flags >> TFMG_ALLOC_KIND_SHIFT) % TFMG_NUM_KINDS);
   if (trace_.enabled()) trace_.record(TFMG_TRACE_REFUSE, -1, bytes, 0, 0);
   error->status = TFMG_ERROR_OUT_OF_MEMORY;
   error->message = "cannot allocate " + format_bytes(bytes) + " (" + std::to_string(bytes) +
@@ -369,6 +379,7 @@ bool pool::deallocate(void* p, std::size_t* size_out, pool_error* error) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (block* b = live_.erase(addr)) {
     pooled_in_use_ -= b->size;
+    if (b->batch) batch_in_use_ -= b->size;
     ++num_frees_;
     if (size_out != nullptr) *size_out = b->size;
     if (trace_.enabled()) {
@@ -383,6 +394,7 @@ bool pool::deallocate(void* p, std::size_t* size_out, pool_error* error) {
     direct_.erase(d);
     upstream_->deallocate(p, db.size, db.alignment, false);
     (db.overshoot ? overshoot_in_use_ : passthrough_in_use_) -= db.size;
+    if (db.batch) batch_in_use_ -= db.size;
     ++num_frees_;
     if (size_out != nullptr) *size_out = db.size;
     if (trace_.enabled()) trace_.record(TFMG_TRACE_FREE, -1, db.size, 0, addr);
@@ -527,7 +539,7 @@ void pool::release_all() {
   std::fill(std::begin(bin_bits_), std::end(bin_bits_), 0);
   spare_blocks_.clear();
   block_chunks_.clear();
-  reserved_ = pooled_in_use_ = passthrough_in_use_ = overshoot_in_use_ = 0;
+  reserved_ = pooled_in_use_ = passthrough_in_use_ = overshoot_in_use_ = batch_in_use_ = 0;
 }
 
 std::size_t pool::in_use_blocks() const {
@@ -570,6 +582,8 @@ void pool::fill_stats_locked(tfmg_stats* s) const {
   s->overshoot_bytes_in_use = static_cast<std::int64_t>(overshoot_in_use_);
   s->peak_overshoot_bytes = static_cast<std::int64_t>(peak_overshoot_);
   s->num_overshoots = num_overshoots_;
+  s->batch_bytes_in_use = static_cast<std::int64_t>(batch_in_use_);
+  s->window_peak_batch_bytes = static_cast<std::int64_t>(window_peak_batch_);
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
     s->overshoots_by_kind[k] = overshoots_by_kind_[k];
     s->overshoot_bytes_by_kind[k] = overshoot_bytes_by_kind_[k];
@@ -598,6 +612,7 @@ void pool::clear_stats() {
 void pool::reset_peak() {
   std::lock_guard<std::mutex> lock(mutex_);
   window_peak_ = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
+  window_peak_batch_ = batch_in_use_;
 }
 
 bool pool::last_refusal(tfmg_refusal* out) const {
@@ -713,8 +728,15 @@ bool pool::is_valid(std::string* why) const {
   if (used != pooled_in_use_) return fail("bytes in use do not match the blocks in use");
   if (reserved != reserved_) return fail("bytes reserved do not match the regions");
   if (limit_ != 0 && reserved_ > limit_) return fail("reserved bytes exceed the budget");
-  std::size_t pass = 0, over = 0;
-  for (const auto& d : direct_) (d.second.overshoot ? over : pass) += d.second.size;
+  std::size_t pass = 0, over = 0, batch = 0;
+  for (const auto& d : direct_) {
+    (d.second.overshoot ? over : pass) += d.second.size;
+    if (d.second.batch) batch += d.second.size;
+  }
+  live_.for_each([&batch](std::uintptr_t, const block* b) {
+    if (b->batch) batch += b->size;
+  });
+  if (batch != batch_in_use_) return fail("batch-tagged bytes do not match their counter");
   if (pass != passthrough_in_use_ || over != overshoot_in_use_) {
     return fail("direct blocks do not match their counters");
   }

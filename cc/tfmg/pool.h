@@ -118,6 +118,7 @@ class pool {
     block* next;
     region* owner;
     bool free;
+    bool batch;                // in use and tagged TFMG_ALLOC_BATCH
     unsigned bin;              // while free: its bin, and its place in that bin's set
     free_set::iterator where;
   };
@@ -131,6 +132,7 @@ class pool {
     std::size_t size;
     std::size_t alignment;
     bool overshoot;  // false: pass-through (predates the budget)
+    bool batch;
   };
   using direct_map =
       std::unordered_map<std::uintptr_t, direct_block, std::hash<std::uintptr_t>,
@@ -160,10 +162,10 @@ class pool {
   bool grow_locked(std::size_t size, std::size_t alignment);
   std::size_t release_unused_locked();
   void* allocate_direct_locked(std::size_t size, std::size_t alignment, bool overshoot,
-                               unsigned kind, pool_error* error);
+                               unsigned flags, pool_error* error);
   void free_block_locked(block* b);
-  void refuse_locked(std::size_t bytes, std::size_t alignment, pool_error* error);
-  void note_alloc_locked(std::size_t size);
+  void refuse_locked(std::size_t bytes, std::size_t alignment, unsigned flags, pool_error* error);
+  void note_alloc_locked(std::size_t size, bool batch);
   std::size_t largest_free_locked() const;
   std::size_t largest_allocatable_locked() const;
   void fill_stats_locked(tfmg_stats* s) const;
@@ -203,6 +205,8 @@ class pool {
   std::int64_t overshoot_bytes_by_kind_[TFMG_NUM_KINDS] = {};
   std::size_t peak_in_use_ = 0;
   std::size_t window_peak_ = 0;
+  std::size_t batch_in_use_ = 0;
+  std::size_t window_peak_batch_ = 0;
   std::size_t peak_reserved_ = 0;
   std::size_t peak_overshoot_ = 0;
   std::size_t largest_alloc_ = 0;

@@ -26,6 +26,7 @@ registry& get() {
 }
 
 std::atomic<int> plugin_state{0};
+std::atomic<int64_t> profile_batch{0};
 
 }  // namespace
 
@@ -56,6 +57,9 @@ int tfmg_claim_once(const char* key) {
   std::lock_guard<std::mutex> lock(r.mutex);
   return r.claims.insert(key).second ? 1 : 0;
 }
+
+void tfmg_set_profile_batch(int64_t batch_size) { profile_batch.store(batch_size > 0 ? batch_size : 0); }
+int64_t tfmg_profile_batch(void) { return profile_batch.load(std::memory_order_relaxed); }
 
 void tfmg_plugin_set_state(int flags) { plugin_state.fetch_or(flags); }
 int tfmg_plugin_state(void) { return plugin_state.load(); }

@@ -343,6 +343,34 @@ void test_many_threads_keep_the_pool_valid() {
   tfmg_pool_destroy(p, 0);
 }
 
+void test_window_peak_remembers_its_batch_split() {
+  tfmg_pool* p = make_pool(64 * MiB);
+  void* fixed = nullptr;
+  void* act = nullptr;
+  CHECK_OK(tfmg_pool_allocate(p, 2 * MiB, 0, 0, &fixed));
+  CHECK_OK(tfmg_pool_reset_peak(p));
+  CHECK_OK(tfmg_pool_allocate(p, 3 * MiB, 0, TFMG_ALLOC_BATCH, &act));
+  tfmg_stats s = stats(p);
+  CHECK(s.batch_bytes_in_use == 3 * MiB);
+  CHECK(s.window_peak_bytes_in_use == 5 * MiB && s.window_peak_batch_bytes == 3 * MiB);
+  CHECK_OK(tfmg_pool_deallocate(p, act, nullptr));
+  s = stats(p);
+  CHECK(s.batch_bytes_in_use == 0);
+  CHECK(s.window_peak_batch_bytes == 3 * MiB);  // as it was at the peak
+  void* big = nullptr;
+  CHECK(tfmg_pool_allocate(p, 100 * MiB, 0, TFMG_ALLOC_BATCH | TFMG_ALLOC_KIND(TFMG_KIND_KERNEL), &big) ==
+        TFMG_ERROR_OUT_OF_MEMORY);
+  tfmg_refusal r;
+  CHECK_OK(tfmg_pool_last_refusal(p, &r));
+  CHECK(r.requested_batch == 1 && r.kind == TFMG_KIND_KERNEL && r.batch_bytes_in_use == 0);
+  CHECK_OK(tfmg_pool_reset_peak(p));
+  s = stats(p);
+  CHECK(s.window_peak_bytes_in_use == 2 * MiB && s.window_peak_batch_bytes == 0);
+  CHECK(valid(p));
+  tfmg_pool_deallocate(p, fixed, nullptr);
+  tfmg_pool_destroy(p, 0);
+}
+
 }  // namespace
 
 int main() {
@@ -364,6 +392,7 @@ int main() {
       {"trace_records_events_in_order_and_is_bounded", test_trace_records_events_in_order_and_is_bounded},
       {"random_operations_keep_every_invariant", test_random_operations_keep_every_invariant},
       {"many_threads_keep_the_pool_valid", test_many_threads_keep_the_pool_valid},
+      {"window_peak_remembers_its_batch_split", test_window_peak_remembers_its_batch_split},
   };
   int passed = 0, failed = 0;
   for (const test& t : tests) {
