@@ -2,6 +2,8 @@
 
     import tf_memguard
     tf_memguard.install(max_bytes="2GiB")   # before building the model
+    model.fit(x, y, callbacks=[tf_memguard.MemGuardCallback()])
+    print(tf_memguard.report())
 
 From then on TensorFlow's CPU tensors come out of tf_memguard's pool, which never
 reserves more than the budget. stats() reads the pool's statistics (TensorFlow's field
@@ -26,12 +28,27 @@ from tf_memguard._install import (
     reset_peak,
     stats,
 )
+from tf_memguard._advisor import find_batch_size
+from tf_memguard._report import Report, report
 from tf_memguard._units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # The callback needs Keras and TensorFlow; importing them is deferred to first use
+    # so that `import tf_memguard` stays light.
+    if name in ("MemGuardCallback", "BudgetExceededError"):
+        from tf_memguard import _callback
+        return getattr(_callback, name)
+    raise AttributeError(f"module 'tf_memguard' has no attribute {name!r}")
+
+
 __all__ = [
+    "BudgetExceededError",
     "Config",
+    "MemGuardCallback",
+    "Report",
     "DoubleFreeError",
     "OutOfBudgetError",
     "Pool",
@@ -39,10 +56,12 @@ __all__ = [
     "UnknownPointerError",
     "config",
     "device_pool",
+    "find_batch_size",
     "format_bytes",
     "install",
     "last_refusal",
     "parse_bytes",
+    "report",
     "reset_peak",
     "stats",
 ]

@@ -91,6 +91,8 @@ py::dict stats_dict(const tfmg_stats& s) {
   d["num_overshoots"] = s.num_overshoots;
   d["batch_bytes_in_use"] = s.batch_bytes_in_use;
   d["window_peak_batch_bytes"] = s.window_peak_batch_bytes;
+  d["window_max_batch_bytes"] = s.window_max_batch_bytes;
+  d["window_in_use_at_max_batch"] = s.window_in_use_at_max_batch;
   static const char* const kinds[] = {"other", "kernel", "tensor", "raw"};
   py::dict by_kind, bytes_by_kind;
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
@@ -114,6 +116,8 @@ py::dict refusal_dict(const tfmg_refusal& r) {
   d["largest_allocatable_bytes"] = r.largest_allocatable_bytes;
   d["bytes_limit"] = r.bytes_limit;
   d["batch_bytes_in_use"] = r.batch_bytes_in_use;
+  d["overshoot_bytes_in_use"] = r.overshoot_bytes_in_use;
+  d["passthrough_bytes_in_use"] = r.passthrough_bytes_in_use;
   d["requested_batch"] = r.requested_batch != 0;
   static const char* const kinds[] = {"other", "kernel", "tensor", "raw"};
   d["kind"] = kinds[r.kind & 3];

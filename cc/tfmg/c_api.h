@@ -69,7 +69,8 @@ typedef struct tfmg_pool_options {
    * 0 picks the upstream's default (64 bytes on host). Must be a power of two. */
   uint64_t alignment;
   /* Size of the first region reserved from the upstream; later regions double.
-   * 0 picks the default (2 MiB). UINT64_MAX reserves the whole budget up front. */
+   * 0 picks the default, UINT64_MAX: the whole budget as one region, reserved at the
+   * first allocation (on host, address space only until pages are touched). */
   uint64_t region_bytes;
   /* Requests of at least this many bytes are "large" and placed at the low end of
    * free blocks; smaller ones at the high end, which keeps long-lived small blocks
@@ -104,6 +105,8 @@ typedef struct tfmg_stats {
   int64_t num_overshoots;
   int64_t batch_bytes_in_use;      /* of bytes_in_use, blocks tagged TFMG_ALLOC_BATCH */
   int64_t window_peak_batch_bytes; /* batch-tagged bytes live at the window peak */
+  int64_t window_max_batch_bytes;  /* the most batch-tagged bytes live at once in the window */
+  int64_t window_in_use_at_max_batch; /* bytes in use at that moment */
   int64_t overshoots_by_kind[TFMG_NUM_KINDS];      /* cumulative, indexed by TFMG_KIND_* */
   int64_t overshoot_bytes_by_kind[TFMG_NUM_KINDS]; /* cumulative bytes granted over budget */
   /* 1 - largest_free_block_bytes / bytes_free, in [0, 1); 0 when nothing is free.
@@ -122,6 +125,8 @@ typedef struct tfmg_refusal {
   int64_t largest_allocatable_bytes;
   int64_t bytes_limit;
   int64_t batch_bytes_in_use;      /* batch-tagged bytes live at the refusal */
+  int64_t overshoot_bytes_in_use;  /* of bytes_in_use, granted over the budget */
+  int64_t passthrough_bytes_in_use;/* of bytes_in_use, allocated before the budget */
   int32_t requested_batch;         /* 1 if the refused request was batch-tagged */
   int32_t kind;                    /* TFMG_KIND_* of the refused request */
 } tfmg_refusal;
@@ -182,8 +187,9 @@ TFMG_API tfmg_status tfmg_pool_clear_stats(tfmg_pool* pool);
 TFMG_API tfmg_status tfmg_pool_reset_peak(tfmg_pool* pool);
 /* The most recent refusal; INVALID_STATE if there was none. */
 TFMG_API tfmg_status tfmg_pool_last_refusal(tfmg_pool* pool, tfmg_refusal* out);
-/* Returns every region that holds no block in use to the upstream. *released_bytes
- * (optional) receives the number of bytes returned. */
+/* Returns every region that holds no block in use to the upstream, and the pages
+ * inside free blocks of the other regions to the operating system (host). 
+ * *released_bytes (optional) receives the bytes of regions returned. */
 TFMG_API tfmg_status tfmg_pool_release_unused(tfmg_pool* pool, uint64_t* released_bytes);
 
 /* Copies up to capacity of the oldest retained trace events into events; *count gets

@@ -56,6 +56,8 @@ class host_upstream final : public upstream {
     }
   }
 
+  void discard(void* p, std::size_t bytes) override { madvise(p, bytes, MADV_DONTNEED); }
+
   std::size_t default_alignment() const override { return 64; }  // EIGEN_MAX_ALIGN_BYTES
   std::size_t page_size() const override { return page_; }
 

@@ -341,6 +341,10 @@ void pool::note_alloc_locked(std::size_t size, bool batch) {
     window_peak_ = in_use;
     window_peak_batch_ = batch_in_use_;  // the split of the peak, as it was then
   }
+  if (batch && batch_in_use_ > window_max_batch_) {
+    window_max_batch_ = batch_in_use_;
+    window_in_use_at_max_batch_ = in_use;
+  }
 }
 
 void pool::refuse_locked(std::size_t bytes, std::size_t alignment, unsigned flags,
@@ -358,6 +362,8 @@ void pool::refuse_locked(std::size_t bytes, std::size_t alignment, unsigned flag
   last_refusal_.largest_allocatable_bytes = static_cast<std::int64_t>(largest_allocatable_locked());
   last_refusal_.bytes_limit = static_cast<std::int64_t>(limit_);
   last_refusal_.batch_bytes_in_use = static_cast<std::int64_t>(batch_in_use_);
+  last_refusal_.overshoot_bytes_in_use = static_cast<std::int64_t>(overshoot_in_use_);
+  last_refusal_.passthrough_bytes_in_use = static_cast<std::int64_t>(passthrough_in_use_);
   last_refusal_.requested_batch = (flags & TFMG_ALLOC_BATCH) != 0 ? 1 : 0;
   last_refusal_.kind = static_cast<std::int32_t>((flags >> TFMG_ALLOC_KIND_SHIFT) % TFMG_NUM_KINDS);
   if (trace_.enabled()) trace_.record(TFMG_TRACE_REFUSE, -1, bytes, 0, 0);
@@ -500,7 +506,18 @@ bool pool::set_limit(std::size_t max_bytes, pool_error* error) {
 
 std::size_t pool::release_unused() {
   std::lock_guard<std::mutex> lock(mutex_);
-  return release_unused_locked();
+  const std::size_t released = release_unused_locked();
+  // The pages wholly inside free blocks of the regions that stay go back to the OS.
+  const std::size_t page = upstream_->page_size();
+  for (const auto& r : regions_) {
+    for (const block* b = r->first; b != nullptr; b = b->next) {
+      if (!b->free) continue;
+      const std::uintptr_t lo = round_up(b->addr, page);
+      const std::uintptr_t hi = round_down(b->addr + b->size, page);
+      if (hi > lo) upstream_->discard(reinterpret_cast<void*>(lo), hi - lo);
+    }
+  }
+  return released;
 }
 
 std::size_t pool::release_unused_locked() {
@@ -584,6 +601,8 @@ void pool::fill_stats_locked(tfmg_stats* s) const {
   s->num_overshoots = num_overshoots_;
   s->batch_bytes_in_use = static_cast<std::int64_t>(batch_in_use_);
   s->window_peak_batch_bytes = static_cast<std::int64_t>(window_peak_batch_);
+  s->window_max_batch_bytes = static_cast<std::int64_t>(window_max_batch_);
+  s->window_in_use_at_max_batch = static_cast<std::int64_t>(window_in_use_at_max_batch_);
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
     s->overshoots_by_kind[k] = overshoots_by_kind_[k];
     s->overshoot_bytes_by_kind[k] = overshoot_bytes_by_kind_[k];
@@ -613,6 +632,8 @@ void pool::reset_peak() {
   std::lock_guard<std::mutex> lock(mutex_);
   window_peak_ = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
   window_peak_batch_ = batch_in_use_;
+  window_max_batch_ = batch_in_use_;
+  window_in_use_at_max_batch_ = window_peak_;
 }
 
 bool pool::last_refusal(tfmg_refusal* out) const {

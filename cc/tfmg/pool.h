@@ -18,13 +18,15 @@
 // free space and large ones at the bottom: a long-lived small block then rarely sits
 // between two large free blocks and keeps them from merging.
 //
-// Growth policy. Regions are reserved lazily: the first is region_bytes (default
-// 2 MiB) or the request if larger, each next one twice the last, always clipped to the
-// budget left. When a request does not fit and the budget is spent, regions holding no
-// block in use are returned to the upstream and the request retried, so a few large
-// regions can replace many small ones. region_bytes = UINT64_MAX reserves the whole
-// budget up front as one region (host memory is only address space until touched).
-// release_unused() returns empty regions on demand.
+// Growth policy. By default the whole budget is one region, reserved at the first
+// allocation: no region boundary can split free space (with lazily grown regions, a
+// 20 MB request failed under an 80 MB budget with 40 MB in use, the free space cut
+// into regions of 2 to 32 MB). On host the region is address space (mmap, NORESERVE)
+// until pages are touched, so physical memory still follows use. With region_bytes
+// set, regions are reserved lazily: the first of region_bytes or the request, each
+// next twice the last, clipped to the budget left; when a request does not fit and the
+// budget is spent, empty regions go back first so one larger region can replace them.
+// release_unused() returns empty regions, and the pages of free blocks, on demand.
 //
 // Cost. Best fit is one lookup in a size-ordered tree of free blocks, a free is one
 // hash lookup plus O(1) neighbour checks through the blocks' address links: O(log n)
@@ -52,7 +54,7 @@ namespace tfmg {
 struct pool_config {
   std::size_t max_bytes = 0;  // 0: pass-through until set_limit()
   std::size_t alignment = 0;  // 0: upstream default
-  std::size_t region_bytes = 2u << 20;
+  std::size_t region_bytes = SIZE_MAX;  // the whole budget, up front
   std::size_t small_threshold = 1u << 20;
   std::size_t trace_capacity = 0;
 };
@@ -207,6 +209,8 @@ class pool {
   std::size_t window_peak_ = 0;
   std::size_t batch_in_use_ = 0;
   std::size_t window_peak_batch_ = 0;
+  std::size_t window_max_batch_ = 0;      // most batch-tagged bytes live at once
+  std::size_t window_in_use_at_max_batch_ = 0;
   std::size_t peak_reserved_ = 0;
   std::size_t peak_overshoot_ = 0;
   std::size_t largest_alloc_ = 0;

@@ -2,6 +2,7 @@
 // plugin and the Python module (both reach this same copy of libtfmg_core.so), and
 // what the plugin reported about itself.
 #include <atomic>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <set>
@@ -43,6 +44,9 @@ tfmg_status tfmg_device_pool(const char* device, tfmg_pool** out) {
   }
   tfmg_pool_options o;
   tfmg_pool_options_init(&o);
+  // Layout knobs for experiments and benchmarks (see benchmarks/NOTES.md).
+  if (const char* v = std::getenv("TF_MEMGUARD_SMALL_THRESHOLD")) o.small_threshold = std::strtoull(v, nullptr, 10);
+  if (const char* v = std::getenv("TF_MEMGUARD_REGION_BYTES")) o.region_bytes = std::strtoull(v, nullptr, 10);
   tfmg_pool* p = nullptr;
   const tfmg_status s = tfmg_pool_create(&o, &p);
   if (s != TFMG_OK) return s;

@@ -26,6 +26,10 @@ class upstream {
   // Returns memory obtained from allocate() with the same arguments.
   virtual void deallocate(void* p, std::size_t bytes, std::size_t alignment, bool region) = 0;
 
+  // Gives back the physical memory of a page-aligned range inside a region, which
+  // stays reserved (host: madvise(MADV_DONTNEED)). Optional.
+  virtual void discard(void* p, std::size_t bytes) { (void)p; (void)bytes; }
+
   // The alignment every block gets unless the request asks for more.
   virtual std::size_t default_alignment() const = 0;
   // Regions are multiples of this.

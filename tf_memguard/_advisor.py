@@ -1,0 +1,359 @@
+"""Batch-size advice: a memory model of a training step, and trial steps that confirm it.
+
+The memory a training step needs is not proportional to the batch: weights, optimizer
+slots and Keras' copy of a numpy training set stay, and some kernels take fixed
+workspaces (TensorFlow's Conv2DBackpropFilter: ~20 MB whatever the batch). So the model
+is ``peak(b) = fixed + per_sample * b``, fitted from measured step peaks. Measured curves
+are concave (the per-sample slope falls as the batch grows), so a line fitted from
+points below the target over-estimates what a larger batch needs (safe), and the slope
+at the current size is what a smaller batch saves.
+
+Sources of points, best first: steps measured at two or more batch sizes (a run's full
+and last partial batches, earlier fit() calls, trial steps); otherwise one measured step,
+whose peak the pool splits into bytes of tensors with the batch as first dimension and
+the rest (the plugin tags them while profiling).
+"""
+import dataclasses
+import gc
+
+from tf_memguard import _core
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One measured training step."""
+
+    batch_size: int
+    peak_bytes: int           # the step's peak of bytes in use
+    batch_bytes: int = 0      # of which tensors with the batch as first dimension
+    base_bytes: int = 0       # bytes in use before the step (weights, optimizer, data)
+    fits: bool = True         # False: the step was refused (peak_bytes is a lower bound)
+    max_batch_bytes: int = 0  # the most batch-shaped bytes live at once in the step
+    in_use_at_max_batch: int = 0  # bytes in use at that moment
+
+    def split_estimate(self, batch_size):
+        """Peak at another batch size from this step alone: the step's two critical
+        moments (its peak, and when the most batch-shaped bytes were live), each with
+        its batch-shaped part scaled. Optimistic: not every batch-dependent buffer has
+        the batch as first dimension."""
+        scale = batch_size / self.batch_size
+        at_peak = self.peak_bytes - self.batch_bytes + self.batch_bytes * scale
+        at_batch = self.in_use_at_max_batch - self.max_batch_bytes + self.max_batch_bytes * scale
+        return max(at_peak, at_batch)
+
+    def split_suggestion(self, target):
+        """The largest size whose split_estimate stays within target, or None."""
+        if self.max_batch_bytes <= 0:
+            return None
+        lo, hi = 1, 1
+        while self.split_estimate(hi) <= target and hi < 1 << 30:
+            lo, hi = hi, hi * 2
+        if self.split_estimate(lo) > target:
+            return None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.split_estimate(mid) <= target else (lo, mid)
+        return lo
+
+
+@dataclasses.dataclass(frozen=True)
+class Suggestion:
+    """A batch size that should fit, and how it was found."""
+
+    batch_size: int
+    fixed_bytes: int
+    per_sample_bytes: float
+    target_bytes: int
+    method: str               # "line through measured steps", "split of one step", "trial steps"
+    measured: bool = False    # confirmed by a trial step that fitted
+
+    def predicted_peak(self, batch_size):
+        return int(self.fixed_bytes + self.per_sample_bytes * batch_size)
+
+
+def fit_line(points):
+    """Fixed and per-sample bytes from the two fitting points that bracket the largest
+    size best (least squares would blur the concave curve's local slope)."""
+    ok = sorted({p.batch_size: p for p in points if p.fits}.values(), key=lambda p: p.batch_size)
+    if len(ok) < 2:
+        return None
+    a, b = ok[-2], ok[-1]
+    slope = (b.peak_bytes - a.peak_bytes) / (b.batch_size - a.batch_size)
+    if slope <= 0:
+        return None
+    return b.peak_bytes - slope * b.batch_size, slope
+
+
+def suggest(points, budget, headroom=0.1, max_batch=None):
+    """The largest batch size whose predicted peak stays within (1 - headroom) of the budget.
+
+    Args:
+        points: measured steps (Point).
+        budget: bytes.
+        headroom: the fraction of the budget kept free for what the model does not see
+            (fragmentation, an odd larger step). Defaults to 0.1.
+        max_batch: an upper limit (the dataset's size), or None.
+
+    Returns:
+        A Suggestion, or None when nothing was measured.
+    """
+    target = int(budget * (1.0 - headroom))
+    fitted = [p for p in points if p.fits]
+    if not fitted:
+        return None
+    line = fit_line(points)
+    ref = max(fitted, key=lambda p: p.batch_size)
+    if line is not None:
+        fixed, slope = line
+        method = "line through measured steps"
+    else:
+        # One size measured. Shrinking saves the bytes of batch-shaped tensors at the peak
+        # (a lower bound of the local slope, so the estimate stays above the real peak);
+        # growing costs at most what the step added above its base per sample.
+        above_base = max(ref.peak_bytes - ref.base_bytes, 1) / ref.batch_size
+        shrink_slope = ref.batch_bytes / ref.batch_size if ref.batch_bytes > 0 else above_base
+        slope = shrink_slope if ref.peak_bytes > target else above_base
+        fixed = ref.peak_bytes - slope * ref.batch_size
+        method = "split of one step"
+    size = int((target - fixed) // slope) if slope > 0 else ref.batch_size
+    # A failed step bounds the answer from above.
+    for p in points:
+        if not p.fits:
+            size = min(size, p.batch_size - 1)
+    if max_batch is not None:
+        size = min(size, int(max_batch))
+    return Suggestion(batch_size=max(size, 1), fixed_bytes=int(fixed), per_sample_bytes=float(slope),
+                      target_bytes=target, method=method)
+
+
+# ------------------------------------------------------------------------------------
+# Trial steps
+
+
+def _slice(data, n):
+    import keras
+    return keras.tree.map_structure(lambda a: a[:n], data) if data is not None else None
+
+
+def _num_samples(x):
+    import keras
+    return min(len(a) for a in keras.tree.flatten(x))
+
+
+class _Snapshot:
+    """The model's weights and optimizer state, restored exactly after trial steps."""
+
+    def __init__(self, model):
+        self.model = model
+        self.weights = [v.numpy().copy() for v in model.weights]
+        opt = getattr(model, "optimizer", None)
+        self.opt_built = bool(opt is not None and getattr(opt, "built", False))
+        self.opt_values = [v.numpy().copy() for v in opt.variables] if self.opt_built else None
+
+    def restore(self):
+        for v, value in zip(self.model.weights, self.weights):
+            v.assign(value)
+        opt = getattr(self.model, "optimizer", None)
+        if opt is None:
+            return
+        if self.opt_built:
+            for v, value in zip(opt.variables, self.opt_values):
+                v.assign(value)
+        elif getattr(opt, "built", False):
+            # Built by the trials: back to the state build() creates (zeros, step 0).
+            for v in opt.variables:
+                v.assign(v.numpy() * 0)
+
+
+def trial_step(model, x, y, batch_size, pool, hold=()):
+    """Runs one training step on the first `batch_size` samples and measures its peak.
+
+    `hold`: sizes of blocks kept allocated in the pool during the step, standing for
+    what a real fit() holds that a lone step does not (Keras' copy of a numpy dataset,
+    tf.data's prefetched batches), so that the step meets the same budget and the same
+    fragmentation. Returns a Point; fits=False when the pool refused a request (or a
+    oneDNN kernel had to be granted over the budget). The caller restores the model.
+    """
+    import tensorflow as tf
+
+    gc.collect()
+    before = pool.stats()
+    held = []
+    fits = True
+    try:
+        for size in hold:
+            if size > 0:
+                held.append(pool.allocate(int(size)))
+    except MemoryError:
+        fits = False
+    pool.reset_peak()
+    if fits:
+        _core.set_profile_batch(batch_size)
+        try:
+            model.train_on_batch(_slice(x, batch_size), _slice(y, batch_size))
+        except tf.errors.ResourceExhaustedError:
+            fits = False
+        finally:
+            _core.set_profile_batch(0)
+    after = pool.stats()
+    for address in held:
+        pool.free(address)
+    if after["overshoots_by_kind"]["kernel"] > before["overshoots_by_kind"]["kernel"]:
+        fits = False
+    point = Point(batch_size=batch_size, peak_bytes=after["window_peak_bytes_in_use"],
+                  batch_bytes=after["window_peak_batch_bytes"], base_bytes=before["bytes_in_use"],
+                  fits=fits, max_batch_bytes=after["window_max_batch_bytes"],
+                  in_use_at_max_batch=after["window_in_use_at_max_batch"])
+    gc.collect()
+    return point
+
+
+def _next_trial(points, budget, n, start, headroom):
+    """The batch size to try next, or None when the answer is known closely enough."""
+    fitted = sorted((p for p in points if p.fits), key=lambda p: p.batch_size)
+    failed = sorted((p for p in points if not p.fits), key=lambda p: p.batch_size)
+    best = fitted[-1] if fitted else None
+    ceiling = failed[0] if failed else None
+    target = budget * (1.0 - headroom)
+    if best is None:
+        return max(1, ceiling.batch_size // 4) if ceiling else min(n, start or 32)
+    if ceiling is None:
+        if best.batch_size >= n:
+            return None
+        if len(fitted) == 1:
+            # Between a pessimistic estimate (everything the step added scales with the
+            # batch) and an optimistic one (only batch-shaped tensors do): their geometric mean.
+            low = suggest([best], budget, headroom).batch_size
+            high = best.split_suggestion(target) or 8 * low
+            size = min(int((max(low, 1) * max(high, low, 1)) ** 0.5), 32 * best.batch_size)
+        else:
+            size = suggest(fitted, budget, headroom).batch_size
+        size = min(size, n)
+        return size if size > best.batch_size else min(n, best.batch_size + max(1, best.batch_size // 8))
+    gap = ceiling.batch_size - best.batch_size
+    if gap <= max(1, best.batch_size // 50):
+        return None
+    # Where the line from the largest fitting step to the smallest failed one (whose
+    # need is at least the budget) crosses the target; kept inside the middle half of
+    # the bracket, since the curve is not smooth near the limit (fragmentation).
+    need = max(ceiling.peak_bytes, budget)
+    slope = (need - best.peak_bytes) / gap
+    guess = best.batch_size + ((target - best.peak_bytes) / slope if slope > 0 else gap / 2)
+    lo, hi = best.batch_size + gap / 4, best.batch_size + 3 * gap / 4
+    return int(min(max(guess, lo), hi))
+
+
+def search(model, x, y, budget, pool, points=(), trials=4, start=None, hold=None, headroom=0.03):
+    """Largest batch size whose trial step fits the budget, with at most `trials` steps.
+
+    `hold(batch_size)` gives the blocks to keep allocated during a trial (see
+    trial_step). Returns (Suggestion, points); the Suggestion's batch size is the largest
+    that fitted in a trial (or the best estimate, measured=False, if none did).
+    """
+    n = _num_samples(x)
+    points = list(points)
+    snapshot = _Snapshot(model)
+    try:
+        for _ in range(trials):
+            size = _next_trial(points, budget, n, start, headroom)
+            if size is None or any(p.batch_size == size for p in points):
+                break
+            points.append(trial_step(model, x, y, size, pool, hold=hold(size) if hold else ()))
+            snapshot.restore()
+    finally:
+        snapshot.restore()
+        if hasattr(model, "reset_metrics"):
+            model.reset_metrics()
+    best = max((p.batch_size for p in points if p.fits), default=0)
+    line = suggest(points, budget, headroom=headroom, max_batch=n)
+    return Suggestion(batch_size=best if best else (line.batch_size if line else 1),
+                      fixed_bytes=line.fixed_bytes if line else 0,
+                      per_sample_bytes=line.per_sample_bytes if line else 0.0,
+                      target_bytes=budget, method="trial steps", measured=best > 0), points
+
+
+def fit_holds(x, y=None, prefetched=2):
+    """What fit() keeps in the pool beside a step, for arrays x and y: a copy of every
+    array (Keras turns them into one tensor each), and a few batches prepared ahead by
+    tf.data (fit() peaks measured 1-4 batches above a lone step plus the copy on
+    TF 2.21). Returns hold(batch_size): one block, the copy being one long-lived
+    tensor that the step's tensors are placed around."""
+    import keras
+    arrays = [a for part in (x, y) if part is not None for a in keras.tree.flatten(part)
+              if hasattr(a, "nbytes") and hasattr(a, "shape") and len(a.shape) > 0]
+    copies = [int(a.nbytes) for a in arrays]
+    per_sample = sum(int(a.nbytes) // max(int(a.shape[0]), 1) for a in arrays)
+    return lambda batch_size: [sum(copies) + per_sample * batch_size * prefetched]
+
+
+def find_batch_size(model, x, y=None, max_bytes=None, device="CPU:0", trials=4, start=None, margin=0.05):
+    """The largest batch size whose training step fits the budget, in at most `trials` steps.
+
+    Each trial is one real training step (``train_on_batch``) on the first samples of
+    `x`, under the budget, with blocks the size of what fit() holds beside a step (its
+    copy of the arrays, prefetched batches) allocated in the pool; a refused step counts
+    as too big. The trials start small
+    (or at `start`) and move by a line fitted through the measured peaks, which for the
+    concave memory curves of real models approaches the largest size from below.
+    The model's weights and optimizer state are restored exactly afterwards; its metrics
+    are reset.
+
+    Args:
+        model: a compiled Keras model.
+        x: the training inputs (arrays, or a structure of arrays, as for fit()).
+        y: the targets. Defaults to None.
+        max_bytes: the budget to fit, as for install(). Defaults to the installed one.
+        device: Defaults to "CPU:0".
+        trials: the most training steps to run. Defaults to 4.
+        start: the first batch size tried. Defaults to 32 (or fewer samples).
+        margin: the fraction taken off the largest size that fitted in a trial: a lone
+            step meets the budget in one layout of the pool, a run goes through many.
+            Defaults to 0.05.
+
+    Returns:
+        The batch size (an int). It fits when fit() is called with the same data under the
+        same budget, with the pool's fragmentation allowed for.
+
+    Raises:
+        ValueError: the model is not compiled, there is no budget, or x is empty.
+
+    Example:
+        >>> tf_memguard.install(max_bytes="1GiB")
+        >>> size = tf_memguard.find_batch_size(model, x_train, y_train)
+        >>> model.fit(x_train, y_train, batch_size=size)
+    """
+    from tf_memguard import _install
+    from tf_memguard._units import parse_bytes
+
+    if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
+        raise ValueError("find_batch_size(model=...): compile the model first (model.compile(...))")
+    if _num_samples(x) < 1:
+        raise ValueError("find_batch_size(x=...): x holds no samples")
+    pool = _install.device_pool(device)
+    installed = _install.config(device)
+    if max_bytes is None and installed is None:
+        raise ValueError("find_batch_size(max_bytes=None): no budget to fit; pass max_bytes or call "
+                         "tf_memguard.install() first")
+    if not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"find_batch_size(trials={trials!r}): must be an int of at least 1")
+    if not (0 <= margin < 1):
+        raise ValueError(f"find_batch_size(margin={margin!r}): must be a fraction in [0, 1)")
+    budget = installed.max_bytes if max_bytes is None else parse_bytes(max_bytes, pool.total_memory())
+    if installed is None:
+        _install.install(budget, device)
+    previous = pool.stats()["bytes_limit"]
+    if budget != previous:
+        pool.release_unused()
+        pool.set_limit(budget)
+    try:
+        found, _ = search(model, x, y, budget, pool, trials=trials, start=start, hold=fit_holds(x, y))
+    finally:
+        if budget != previous and previous:
+            pool.release_unused()
+            pool.set_limit(previous)
+    if not found.measured:
+        from tf_memguard._units import format_bytes
+        raise _core.OutOfBudgetError(
+            f"find_batch_size: not even a batch of {found.batch_size} fits the "
+            f"{format_bytes(budget)} budget with this data; pass a larger max_bytes")
+    return max(1, int(found.batch_size * (1 - margin)))

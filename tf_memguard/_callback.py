@@ -1,0 +1,476 @@
+"""MemGuardCallback: per-epoch peaks in the Keras logs, warnings with a batch size that
+fits, the memory report, and out-of-memory errors that explain themselves."""
+import inspect
+import math
+import time
+import warnings
+
+import keras
+import tensorflow as tf
+
+from tf_memguard import _advisor, _core, _install, _report
+from tf_memguard._units import format_bytes
+
+
+# The share of the estimated largest batch size suggested after an out-of-memory error.
+# The estimate rests on a lower bound of what the refused step needed: a refusal in the
+# forward pass comes before the backward pass's gradients (seen: a step refused at 1024
+# samples, then again at 0.75 of the estimate; at 0.5 it fitted).
+OOM_SAFETY = 0.5
+
+
+class BudgetExceededError(tf.errors.ResourceExhaustedError):
+    """A step went over the budget without TensorFlow raising: a oneDNN kernel's request
+    had to be granted (oneDNN kernels crash on a refusal), so MemGuardCallback stops the
+    run after that step. A ResourceExhaustedError, so handlers of TensorFlow's
+    out-of-memory error catch it too."""
+
+    def __init__(self, message):
+        super().__init__(None, None, message)
+
+
+def _fit_arguments():
+    """The arguments of the Keras fit() call running now (its frame's locals), or {}.
+
+    Keras does not hand callbacks the batch size or the data; fit()'s own frame has them.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "fit" and "keras" in code.co_filename.replace("\\", "/"):
+                return dict(frame.f_locals)
+            frame = frame.f_back
+        return {}
+    finally:
+        del frame
+
+
+def _restore_limit(pool, budget):
+    pool.release_unused()
+    try:
+        pool.set_limit(budget)
+        return True
+    except MemoryError:
+        return False
+
+
+def _is_arrays(data):
+    if data is None:
+        return False
+    leaves = keras.tree.flatten(data)
+    return bool(leaves) and all(hasattr(a, "shape") and hasattr(a, "nbytes") and not isinstance(a, tf.Tensor)
+                                and len(a.shape) > 0 for a in leaves)
+
+
+class MemGuardCallback(keras.callbacks.Callback):
+    """Records the memory of every epoch, warns near the budget, and explains an OOM.
+
+    At the start of each epoch the pool's window peak is reset; at its end the epoch's
+    peak goes into the Keras logs as ``memguard_peak_bytes``, and with a budget installed
+    ``memguard_budget_fraction`` (peak / budget), so History, CSVLogger and TensorBoard
+    record them. When Keras is verbose, one line per epoch is printed
+    ("epoch 3: peak 5.2 GiB of 6.0 GiB (87%)"). When a peak reaches ``warn_at`` of the
+    budget, a warning says which batch size fits with ``headroom``. At the end of
+    training a memory report is printed (unless silent) and kept for
+    ``tf_memguard.report()``.
+
+    The batch size is taken from the argument if given, else from the running fit()
+    call's ``batch_size`` for array data (Keras' default of 32 when it is None), else
+    from a ``tf.data`` dataset's static batch dimension; without it there is no advice.
+    The first ``profile_steps`` steps of each epoch are profiled: the plugin marks
+    tensors whose first dimension is the batch size, splitting the step's peak into
+    fixed and per-sample bytes.
+
+    When a step does not fit the budget, TensorFlow's ResourceExhaustedError gets a note
+    with tf_memguard's explanation (request, budget, in use, largest free block) and a
+    batch size that fits, measured with up to ``oom_trials`` trial steps when fit() was
+    given arrays (weights and optimizer state restored), else estimated on the safe side;
+    the report of the epochs so far is produced; the model stays usable. Call
+    ``gc.collect()`` before retrying: the failed fit()'s prefetched batches stay in the
+    pool until the exception is collected.
+
+    A leak is flagged when the bytes live at the end of an epoch grew in each of the last
+    ``leak_epochs`` epochs by more than 1 MiB and 1% of the peak.
+
+    Args:
+        device: the pool to watch. Defaults to "CPU:0".
+        warn_at: fraction of the budget at which an epoch's peak draws a warning.
+            Defaults to 0.9.
+        headroom: fraction of the budget a suggested batch size leaves free.
+            Defaults to 0.05.
+        batch_size: the training batch size, if it cannot be learned from fit().
+            Defaults to None.
+        verbose: 0 silences the per-epoch lines and the report; "auto" follows fit()'s
+            verbose. Defaults to "auto".
+        leak_epochs: consecutive epochs of growth that flag a leak. Defaults to 3.
+        profile_steps: steps profiled at the start of each epoch. Defaults to 2.
+        oom_trials: trial steps that measure the advice after an out-of-memory error
+            (0: estimate only). Defaults to 3.
+
+    Example:
+        >>> tf_memguard.install(max_bytes="2GiB")
+        >>> model.fit(x, y, batch_size=256, callbacks=[tf_memguard.MemGuardCallback()])
+        >>> print(tf_memguard.report())
+    """
+
+    def __init__(self, device="CPU:0", warn_at=0.9, headroom=0.05, batch_size=None, verbose="auto",
+                 leak_epochs=3, profile_steps=2, oom_trials=3):
+        super().__init__()
+        self.device = _install.normalize_device(device)
+        if not (isinstance(warn_at, (int, float)) and 0 < warn_at <= 1):
+            raise ValueError(f"warn_at={warn_at!r}: must be a fraction in (0, 1]")
+        if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
+            raise ValueError(f"headroom={headroom!r}: must be a fraction in [0, 1)")
+        if batch_size is not None and not (isinstance(batch_size, int) and batch_size > 0):
+            raise ValueError(f"batch_size={batch_size!r}: must be a positive int or None")
+        if verbose not in ("auto", 0, 1, 2, True, False):
+            raise ValueError(f"verbose={verbose!r}: must be 'auto', 0, 1 or 2")
+        for name, value in (("leak_epochs", leak_epochs), ("profile_steps", profile_steps),
+                            ("oom_trials", oom_trials)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r}: must be a non-negative int")
+        self.warn_at = float(warn_at)
+        self.headroom = float(headroom)
+        self.batch_size = batch_size
+        self.verbose = verbose
+        self.leak_epochs = leak_epochs
+        self.profile_steps = profile_steps
+        self.oom_trials = oom_trials
+
+    # -- per-run state -------------------------------------------------------------
+
+    _pending_limits = {}  # device -> budget to put back (see _measure_after_oom)
+
+    def on_train_begin(self, logs=None):
+        # Everything per run is reset here, so one instance serves several fit() calls.
+        self._pool = _install.device_pool(self.device)
+        pending = MemGuardCallback._pending_limits.pop(self.device, None)
+        if pending is not None and not _restore_limit(self._pool, pending):
+            warnings.warn(f"tf_memguard: the {format_bytes(pending)} budget could not be put back after the trial "
+                          "steps of the last out-of-memory error; call tf_memguard.install() again", stacklevel=2)
+        self._start = self._pool.stats()
+        self._budget = self._start["bytes_limit"]
+        fit_args = _fit_arguments()
+        self._fit_x, self._fit_y = fit_args.get("x"), fit_args.get("y")
+        self._run_batch = self.batch_size or self._learn_batch_size(fit_args)
+        self._points = []
+        self._records = []
+        self._steps = []
+        self._live_at_end = []
+        self._global_step = 0
+        self._epoch = 0
+        self._epoch_peak = 0
+        self._epoch_start = None
+        self._profiling = False
+        self._warned = False
+        self._oom = None
+        self._suggestion = None
+        self._report = None
+        self._in_trials = False
+        self._kernel_overshoots = self._start["overshoots_by_kind"]["kernel"]
+        self._wrap_train_function()
+
+    def _learn_batch_size(self, fit_args):
+        x = fit_args.get("x")
+        if _is_arrays(x):
+            return fit_args.get("batch_size") or 32
+        spec = getattr(x, "element_spec", None)
+        if spec is not None:
+            leaves = keras.tree.flatten(spec)
+            dims = {leaf.shape[0] for leaf in leaves if getattr(leaf, "shape", None) is not None
+                    and len(leaf.shape) > 0 and leaf.shape[0] is not None}
+            if len(dims) == 1:
+                return int(dims.pop())
+        return None
+
+    def _talks(self):
+        if self.verbose == "auto":
+            return bool(self.params.get("verbose", 1)) if self.params else True
+        return bool(self.verbose)
+
+    # -- epochs and steps ------------------------------------------------------------
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._epoch_start = self._pool.stats()
+        self._epoch_time = time.perf_counter()
+        self._epoch_peak = 0
+        self._pool.reset_peak()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # Each step gets its own window; the epoch's peak is the largest of them.
+        self._epoch_peak = max(self._epoch_peak, self._pool.stats()["window_peak_bytes_in_use"])
+        self._pool.reset_peak()
+        self._step_base = self._pool.stats()["bytes_in_use"]
+        self._profiling = bool(self._run_batch) and batch < self.profile_steps
+        if self._profiling:
+            _core.set_profile_batch(self._run_batch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        s = self._pool.stats()
+        if self._profiling:
+            _core.set_profile_batch(0)
+            self._profiling = False
+            self._points.append(_advisor.Point(
+                batch_size=self._run_batch, peak_bytes=s["window_peak_bytes_in_use"],
+                batch_bytes=s["window_peak_batch_bytes"], base_bytes=self._step_base,
+                max_batch_bytes=s["window_max_batch_bytes"], in_use_at_max_batch=s["window_in_use_at_max_batch"]))
+        step_peak = s["window_peak_bytes_in_use"]
+        self._epoch_peak = max(self._epoch_peak, step_peak)
+        self._steps.append((self._global_step, step_peak, s["bytes_in_use"], self._epoch))
+        self._global_step += 1
+        self._pool.reset_peak()
+        kernel = s["overshoots_by_kind"]["kernel"]
+        if kernel > self._kernel_overshoots:
+            self._kernel_overshoots = kernel
+            self._stop_for_overshoot(s)
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs if logs is not None else {}
+        s = self._pool.stats()
+        peak = max(self._epoch_peak, s["window_peak_bytes_in_use"])
+        self._pool.reset_peak()
+        budget = self._budget
+        record = _report.EpochRecord(
+            epoch=epoch + 1, peak_bytes=peak, budget_fraction=peak / budget if budget else math.nan,
+            allocs=s["num_allocs"] - self._epoch_start["num_allocs"],
+            refusals=s["num_refusals"] - self._epoch_start["num_refusals"],
+            fragmentation=s["fragmentation"], live_bytes=s["bytes_in_use"],
+            seconds=time.perf_counter() - self._epoch_time)
+        self._records.append(record)
+        self._live_at_end.append(s["bytes_in_use"])
+        logs["memguard_peak_bytes"] = float(peak)
+        if budget:
+            logs["memguard_budget_fraction"] = float(peak / budget)
+        if self._talks():
+            if budget:
+                print(f"epoch {epoch + 1}: peak {format_bytes(peak)} of {format_bytes(budget)} "
+                      f"({100 * peak / budget:.0f}%)")
+            else:
+                print(f"epoch {epoch + 1}: peak {format_bytes(peak)} (no budget installed)")
+        if budget and peak >= self.warn_at * budget and not self._warned:
+            self._warned = True
+            suggestion = self._suggest()
+            advice = (f" A batch size of about {suggestion.batch_size} (now {self._run_batch}) would leave "
+                      f"{100 * self.headroom:.0f}% of it free." if suggestion else
+                      " Pass batch_size= to MemGuardCallback for a suggestion.")
+            warnings.warn(f"tf_memguard: epoch {epoch + 1} peaked at {format_bytes(peak)}, "
+                          f"{100 * peak / budget:.0f}% of the {format_bytes(budget)} budget on {self.device}."
+                          + advice, stacklevel=2)
+
+    def on_train_end(self, logs=None):
+        self._unwrap_train_function()
+        self._finish()
+
+    # -- advice ----------------------------------------------------------------------
+
+    def _suggest(self):
+        """The batch size that fits the budget with headroom, from the steps measured."""
+        if not self._budget or not self._points or not self._run_batch:
+            return None
+        target = self._budget * (1.0 - self.headroom)
+        ref = max(self._points, key=lambda p: p.peak_bytes)
+        # Raise the reference peak to the worst epoch peak seen: a step outside the
+        # profiled ones may have needed more.
+        worst = max([r.peak_bytes for r in self._records] + [ref.peak_bytes])
+        ref = _advisor.Point(**{**ref.__dict__, "peak_bytes": worst})
+        # Shrinking saves at least the batch-shaped bytes; growing costs at most what
+        # the step added above its base: the smaller of the two answers is safe both ways.
+        line = _advisor.suggest([ref], self._budget, headroom=self.headroom)
+        split = ref.split_suggestion(target)
+        size = min(line.batch_size, split) if split else line.batch_size
+        n = self._num_samples()
+        if n:
+            size = min(size, n)
+        self._suggestion = _advisor.Suggestion(
+            batch_size=max(1, size), fixed_bytes=line.fixed_bytes, per_sample_bytes=line.per_sample_bytes,
+            target_bytes=int(target), method="the steps profiled in this run")
+        return self._suggestion
+
+    def _num_samples(self):
+        if _is_arrays(self._fit_x):
+            return min(len(a) for a in keras.tree.flatten(self._fit_x))
+        return None
+
+    # -- out of memory -----------------------------------------------------------------
+
+    def _wrap_train_function(self):
+        model = self.model
+        original = getattr(model, "train_function", None)
+        if original is None or getattr(original, "_tf_memguard_wrapper", False):
+            self._original_train_function = None
+            return
+        callback = self
+
+        def guarded(*args, **kwargs):
+            if callback._in_trials:
+                return original(*args, **kwargs)
+            try:
+                return original(*args, **kwargs)
+            except tf.errors.ResourceExhaustedError as e:
+                if not isinstance(e, BudgetExceededError):
+                    callback._explain_oom(e)
+                raise
+
+        guarded._tf_memguard_wrapper = True
+        self._original_train_function = original
+        model.train_function = guarded
+
+    def _unwrap_train_function(self):
+        if getattr(self, "_original_train_function", None) is not None:
+            self.model.train_function = self._original_train_function
+            self._original_train_function = None
+
+    def _explain_oom(self, error):
+        self._unwrap_train_function()
+        _core.set_profile_batch(0)
+        refusal = self._pool.last_refusal()
+        ours = refusal is not None and self._start["num_refusals"] < self._pool.stats()["num_refusals"]
+        message = self._oom_message(refusal if ours else None)
+        self._oom = message
+        note = "tf_memguard: " + message
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+        else:  # Python < 3.11
+            error._message = f"{error.message}\n\n{note}"
+        self._finish()
+
+    def _oom_message(self, refusal):
+        b0 = self._run_batch
+        budget = self._budget
+        if refusal is None:
+            return (f"{self.device}: TensorFlow ran out of memory, but not in tf_memguard's pool "
+                    "(no request was refused); the budget is not what stopped it.")
+        req = refusal["requested_bytes"]
+        outside = refusal["overshoot_bytes_in_use"] + refusal["passthrough_bytes_in_use"]
+        head = (f"{self.device}: cannot allocate {format_bytes(req)} ({req} bytes): "
+                f"{format_bytes(refusal['bytes_in_use'] - outside)} of the {format_bytes(refusal['bytes_limit'])} "
+                f"budget in use, largest free block {format_bytes(refusal['largest_free_block_bytes'])}")
+        if refusal["overshoot_bytes_in_use"]:
+            head += (f" ({format_bytes(refusal['overshoot_bytes_in_use'])} more granted over the budget to "
+                     "requests TensorFlow cannot survive a refusal of, such as numpy inputs)")
+        head += "."
+        size, how = self._oom_suggestion(refusal)
+        if size and b0 and size < b0:
+            advice = (f" Reduce the batch size to {how}{size} (now {b0}) or pass a larger max_bytes to "
+                      "tf_memguard.install().")
+        elif b0:
+            advice = (f" No smaller batch size was found to fit (now {b0}): pass a larger max_bytes to "
+                      "tf_memguard.install().")
+        else:
+            advice = " Reduce the batch size or pass a larger max_bytes to tf_memguard.install()."
+        if size:
+            self._suggestion = _advisor.Suggestion(size, 0, 0.0, budget, method=(
+                "trial steps after the out-of-memory error" if not how else
+                "the refused step (an estimate on the safe side)"))
+        return head + advice
+
+    def _oom_suggestion(self, refusal):
+        """(batch size, "" if measured else "about ") after a refused step.
+
+        With array data, up to ``oom_trials`` trial steps measure it (weights and
+        optimizer state restored). Until the exception is gone, fit()'s frames hold its
+        iterator and the batches it prefetched, which the retry will not meet; the
+        budget is raised by what the failed run still holds beyond its start for the
+        trials, and put back after. Without arrays (or when no trial fits), an estimate:
+        the refused step needed at least what was live plus the request, its
+        batch-shaped part scaling with the batch; scaled by OOM_SAFETY, since that need is
+        a lower bound.
+        """
+        b0 = self._run_batch
+        if not b0 or not self._budget:
+            return None, "about "
+        outside = refusal["overshoot_bytes_in_use"] + refusal["passthrough_bytes_in_use"]
+        needed = refusal["bytes_in_use"] - outside + refusal["requested_bytes"]
+        batch_live = refusal["batch_bytes_in_use"] + (refusal["requested_bytes"] if refusal["requested_batch"] else 0)
+        if self.oom_trials and _is_arrays(self._fit_x):
+            size = self._measure_after_oom(b0, needed, batch_live)
+            if size:
+                return size, ""
+        fixed = needed - batch_live
+        target = self._budget * (1 - self.headroom)
+        if batch_live <= 0 or fixed >= target:
+            return None, "about "
+        size = int(OOM_SAFETY * (target - fixed) / (batch_live / b0))
+        return max(1, min(size, b0 - 1)), "about "
+
+    def _measure_after_oom(self, b0, needed, batch_live):
+        pool, budget = self._pool, self._budget
+
+        def pooled(st):
+            return st["bytes_in_use"] - st["overshoot_bytes_in_use"] - st["passthrough_bytes_in_use"]
+
+        leftover = max(0, pooled(pool.stats()) - pooled(self._start))
+        per_sample = sum(int(a.nbytes) // max(int(a.shape[0]), 1)
+                         for part in (self._fit_x, self._fit_y) if part is not None
+                         for a in keras.tree.flatten(part))
+        failed = _advisor.Point(batch_size=b0, peak_bytes=needed, batch_bytes=batch_live,
+                                base_bytes=pooled(self._start), fits=False)
+        known = [p for p in self._points if p.batch_size < b0 and p.fits] + [failed]
+        if leftover:
+            pool.set_limit(budget + leftover)
+        self._in_trials = True
+        try:
+            found, _ = _advisor.search(self.model, self._fit_x, self._fit_y, budget + leftover, pool,
+                                       points=known, trials=self.oom_trials,
+                                       hold=lambda b: [per_sample * b * 2], headroom=self.headroom)
+        finally:
+            self._in_trials = False
+            if leftover and not _restore_limit(pool, budget):
+                # Something the trials created still sits in the extra room; the next
+                # run of this callback puts the budget back once it is free.
+                MemGuardCallback._pending_limits[self.device] = budget
+        if not found.measured:
+            return None
+        # A lone trial step meets the budget in one layout of the pool; a run goes
+        # through many: leave the headroom.
+        return max(1, int(found.batch_size * (1 - self.headroom)))
+
+    def _stop_for_overshoot(self, stats):
+        over = stats["overshoot_bytes_by_kind"]["kernel"]
+        message = (f"{self.device}: a oneDNN kernel needed more than the {format_bytes(self._budget)} budget "
+                   f"(granted over it: {format_bytes(over)} so far; oneDNN kernels crash when an allocation "
+                   f"is refused). Stopped after step {self._global_step}.")
+        suggestion = self._suggest()
+        if suggestion and self._run_batch and suggestion.batch_size < self._run_batch:
+            message += f" Reduce the batch size to about {suggestion.batch_size} (now {self._run_batch})"
+        else:
+            message += " Reduce the batch size"
+        message += (", pass a larger max_bytes to tf_memguard.install(), or start Python with "
+                    "TF_ENABLE_ONEDNN_OPTS=0 for a hard budget.")
+        self._oom = message
+        self._unwrap_train_function()
+        self._finish()
+        raise BudgetExceededError("tf_memguard: " + message)
+
+    # -- the report --------------------------------------------------------------------
+
+    def _finish(self):
+        s = self._pool.stats()
+        if self._suggestion is None and self._budget and self._points:
+            self._suggest()
+        cfg = _install.config(self.device)
+        over = {k: v - self._start["overshoot_bytes_by_kind"][k] for k, v in s["overshoot_bytes_by_kind"].items()}
+        peak = max([r.peak_bytes for r in self._records] + [p for _, p, _, _ in self._steps] +
+                   [s["window_peak_bytes_in_use"]])
+        rep = _report.Report(
+            device=self.device, budget_bytes=self._budget,
+            predating_bytes=cfg.predating_bytes if cfg else 0,
+            epochs=list(self._records), steps=list(self._steps), peak_bytes=peak,
+            allocs=s["num_allocs"] - self._start["num_allocs"],
+            refusals=s["num_refusals"] - self._start["num_refusals"],
+            overshoot_bytes_by_kind=over, batch_size=self._run_batch,
+            suggested_batch_size=self._suggestion.batch_size if self._suggestion else None,
+            suggestion_method=self._suggestion.method if self._suggestion else "",
+            leak=_report.leak_verdict(self._live_at_end, self.leak_epochs, peak=peak),
+            oom=self._oom, process_peak_rss_bytes=_report.process_peak_rss())
+        self._report = rep
+        _report.set_last(rep)
+        if self._talks():
+            print(rep)
+
+    @property
+    def report(self):
+        """The report of this callback's latest run (None before one ends)."""
+        return getattr(self, "_report", None)

@@ -1,0 +1,178 @@
+"""The memory report of a training run: a table for people, JSON for tools, a PNG plot."""
+import dataclasses
+import json
+import resource
+
+from tf_memguard._units import format_bytes
+
+_last = None  # the most recent Report, for report()
+
+
+@dataclasses.dataclass
+class EpochRecord:
+    epoch: int
+    peak_bytes: int
+    budget_fraction: float  # peak / budget, or NaN without a budget
+    allocs: int
+    refusals: int
+    fragmentation: float    # of the pool's free memory at the epoch's end
+    live_bytes: int         # bytes in use at the epoch's end
+    seconds: float
+
+
+@dataclasses.dataclass
+class Report:
+    """What a run under tf_memguard used. ``str(report)`` is a readable table.
+
+    Attributes:
+        device: "CPU:0".
+        budget_bytes: the budget in force, or 0 without install().
+        predating_bytes: bytes allocated before the first install() (not budgeted).
+        epochs: one EpochRecord per finished epoch.
+        steps: (global step, step peak bytes, bytes in use after the step), per step.
+        peak_bytes: the run's peak of bytes in use.
+        allocs, refusals: counts over the run.
+        overshoot_bytes_by_kind: bytes granted over the budget during the run, by kind.
+        batch_size: the batch size the run used, if known.
+        suggested_batch_size: the largest batch size expected to fit the budget with
+            headroom, or None; suggestion_method says how it was found.
+        leak: the leak verdict ("no leak", "possible leak: ...", "too few epochs to tell").
+        oom: the out-of-memory explanation, if the run failed for lack of memory.
+        process_peak_rss_bytes: the process's peak resident memory (all of it: tensors,
+            TensorFlow's own buffers outside its allocator, Python).
+    """
+
+    device: str = "CPU:0"
+    budget_bytes: int = 0
+    predating_bytes: int = 0
+    epochs: list = dataclasses.field(default_factory=list)
+    steps: list = dataclasses.field(default_factory=list)
+    peak_bytes: int = 0
+    allocs: int = 0
+    refusals: int = 0
+    overshoot_bytes_by_kind: dict = dataclasses.field(default_factory=dict)
+    batch_size: int = None
+    suggested_batch_size: int = None
+    suggestion_method: str = ""
+    leak: str = "too few epochs to tell"
+    oom: str = None
+    process_peak_rss_bytes: int = 0
+
+    def __str__(self):
+        budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none (counting only)"
+        lines = [f"tf_memguard memory report ({self.device}, budget {budget})"]
+        header = f"{'epoch':>5} {'peak':>10} {'% budget':>9} {'allocs':>9} {'refused':>8} {'frag':>6} {'live at end':>12}"
+        lines.append(header)
+        lines.append("-" * len(header))
+        for e in self.epochs:
+            pct = f"{100 * e.budget_fraction:.1f}%" if self.budget_bytes else "-"
+            lines.append(f"{e.epoch:>5} {format_bytes(e.peak_bytes):>10} {pct:>9} {e.allocs:>9} "
+                         f"{e.refusals:>8} {e.fragmentation:>6.2f} {format_bytes(e.live_bytes):>12}")
+        if not self.epochs:
+            lines.append("  (no epoch finished)")
+        lines.append("-" * len(header))
+        pct = f" ({100 * self.peak_bytes / self.budget_bytes:.1f}% of budget)" if self.budget_bytes else ""
+        lines.append(f"peak {format_bytes(self.peak_bytes)}{pct}; {self.allocs} allocations, "
+                     f"{self.refusals} refused")
+        over = {k: v for k, v in self.overshoot_bytes_by_kind.items() if v}
+        if over:
+            lines.append("granted over the budget (requests TensorFlow cannot survive a refusal of): " +
+                         ", ".join(f"{k} {format_bytes(v)}" for k, v in over.items()))
+        if self.predating_bytes:
+            lines.append(f"allocated before the budget was set: {format_bytes(self.predating_bytes)}")
+        if self.suggested_batch_size:
+            now = f" (now {self.batch_size})" if self.batch_size else ""
+            lines.append(f"batch size that fits the budget with headroom: {self.suggested_batch_size}{now}, "
+                         f"from {self.suggestion_method}")
+        lines.append(f"leak check: {self.leak}")
+        if self.process_peak_rss_bytes:
+            lines.append(f"process peak resident memory: {format_bytes(self.process_peak_rss_bytes)} (the budget "
+                         "covers tensors; TensorFlow's scratch buffers and Python are outside it)")
+        if self.oom:
+            lines.append("out of memory: " + self.oom)
+        return "\n".join(lines)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    def to_json(self, path=None):
+        """The report as a JSON string; also written to `path` if given."""
+        text = json.dumps(self.to_dict(), indent=2, default=float)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    def save_plot(self, path):
+        """Writes a PNG of memory over training steps (needs matplotlib: pip install
+        tf_memguard[plot]): each step's peak, the bytes live after it, the budget, and
+        epoch boundaries."""
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ImportError("Report.save_plot needs matplotlib: pip install 'tf_memguard[plot]'") from e
+        mib = float(1 << 20)
+        fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
+        if self.steps:
+            xs = [s[0] for s in self.steps]
+            ax.plot(xs, [s[1] / mib for s in self.steps], lw=1.2, color="tab:blue", label="step peak")
+            ax.plot(xs, [s[2] / mib for s in self.steps], lw=1.0, color="tab:green", label="live after step")
+        if self.budget_bytes:
+            ax.axhline(self.budget_bytes / mib, color="tab:red", ls="--", lw=1.2,
+                       label=f"budget {format_bytes(self.budget_bytes)}")
+        boundaries = [i for i in range(1, len(self.steps)) if self.steps[i][3] != self.steps[i - 1][3]] \
+            if self.steps and len(self.steps[0]) > 3 else []
+        for i in boundaries:
+            ax.axvline(self.steps[i][0], color="0.8", lw=0.8, zorder=0)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("MiB")
+        ax.set_ylim(bottom=0)
+        title = f"tf_memguard: memory per step on {self.device}"
+        if self.suggested_batch_size:
+            title += f" (suggested batch size {self.suggested_batch_size})"
+        ax.set_title(title)
+        ax.legend(loc="lower right")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+
+def leak_verdict(live_bytes, epochs=3, min_growth=1 << 20, rel_growth=0.01, peak=0):
+    """'possible leak: ...' when the bytes live at epoch end grew in each of the last
+    `epochs` epochs by more than max(min_growth, rel_growth * peak)."""
+    if len(live_bytes) < epochs + 1:
+        return "too few epochs to tell"
+    tail = live_bytes[-(epochs + 1):]
+    step = max(min_growth, rel_growth * peak)
+    if all(b - a > step for a, b in zip(tail, tail[1:])):
+        return (f"possible leak: live bytes at epoch end grew {epochs} epochs in a row, "
+                f"by {format_bytes(tail[-1] - tail[0])} in all")
+    return "no leak"
+
+
+def process_peak_rss():
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def set_last(report):
+    global _last
+    _last = report
+
+
+def report(device="CPU:0"):
+    """The memory report of the most recent run with MemGuardCallback; without one, a
+    report of the pool's state now (no epochs)."""
+    if _last is not None:
+        return _last
+    from tf_memguard import _install
+    s = _install.stats(device)
+    cfg = _install.config(device)
+    return Report(device=device, budget_bytes=s["bytes_limit"],
+                  predating_bytes=cfg.predating_bytes if cfg else 0, peak_bytes=s["peak_bytes_in_use"],
+                  allocs=s["num_allocs"], refusals=s["num_refusals"],
+                  overshoot_bytes_by_kind=dict(s["overshoot_bytes_by_kind"]),
+                  process_peak_rss_bytes=process_peak_rss())
