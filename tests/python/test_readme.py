@@ -17,7 +17,8 @@ def readme_commands():
 
 def test_readme_starts_with_the_set_up_commands():
     commands = readme_commands()
-    assert 1 <= len(commands) <= 2
+    assert len(commands) == 2
+    assert "examples/train_under_budget.py" in commands[0] and "pytest" in commands[1]
     assert all("\n" not in c for c in commands), "each set-up command is one line"
 
 

@@ -1,0 +1,148 @@
+"""MemGuardCallback, the report, the OOM explanation and find_batch_size, as a user runs them."""
+import os
+
+import pytest
+
+from tfproc import HARD, run
+
+pytestmark = pytest.mark.tf
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+
+SETUP = f"""
+import sys, json
+sys.path.insert(0, {EXAMPLES!r})
+import numpy as np, tensorflow as tf, keras, tf_memguard
+from _data import pattern_images, small_cnn
+x, y = pattern_images(1024)
+def make():
+    keras.utils.set_random_seed(0)
+    m = small_cnn()
+    m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return m
+"""
+
+
+def test_peaks_land_in_history_and_csvlogger_and_state_resets_between_fits(tmp_path):
+    csv = tmp_path / "log.csv"
+    png = tmp_path / "memory.png"
+    r = run(SETUP, f"""
+        tf_memguard.install(max_bytes="160MiB")
+        m = make()
+        cb = tf_memguard.MemGuardCallback()
+        h = m.fit(x, y, batch_size=64, epochs=2, verbose=2,
+                  callbacks=[cb, keras.callbacks.CSVLogger({str(csv)!r})])
+        first = len(cb.report.epochs)
+        h2 = m.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[cb])
+        rep = tf_memguard.report()
+        rep.save_plot({str(png)!r})
+        emit(keys=sorted(h.history), peaks=h.history["memguard_peak_bytes"],
+             fractions=h.history["memguard_budget_fraction"], first=first, second=len(rep.epochs),
+             text=str(rep), json=json.loads(rep.to_json()), stats_peak=tf_memguard.stats()["peak_bytes_in_use"])
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert "memguard_peak_bytes" in d["keys"] and "memguard_budget_fraction" in d["keys"]
+    assert all(p > 1 << 20 for p in d["peaks"])
+    assert all(0 < f <= 1 for f in d["fractions"])
+    assert abs(d["fractions"][0] - d["peaks"][0] / (160 << 20)) < 1e-9
+    assert d["first"] == 2 and d["second"] == 1  # per-run state reset in on_train_begin
+    header = open(csv).readline().strip().split(",")
+    assert "memguard_peak_bytes" in header and "memguard_budget_fraction" in header
+    assert "epoch 1: peak " in r.stdout and "of 160 MiB (" in r.stdout
+    assert "tf_memguard memory report (CPU:0, budget 160 MiB)" in d["text"]
+    assert "leak check:" in d["text"] and "refused" in d["text"]
+    assert d["json"]["budget_bytes"] == 160 << 20 and len(d["json"]["epochs"]) == 1
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_silent_with_verbose_zero_and_works_without_install():
+    r = run(SETUP, """
+        m = make()
+        h = m.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback()])
+        emit(keys=sorted(h.history), peak=h.history["memguard_peak_bytes"][0])
+    """)
+    assert r.returncode == 0, r
+    assert "memguard_peak_bytes" in r.data["keys"] and "memguard_budget_fraction" not in r.data["keys"]
+    assert r.data["peak"] > 1 << 20
+    assert "epoch 1" not in r.stdout and "memory report" not in r.stdout
+
+
+def test_bad_arguments_say_which():
+    r = run("""
+        import tf_memguard
+        errors = []
+        for kw in ({"warn_at": 0}, {"headroom": 1.5}, {"batch_size": -3}, {"verbose": "loud"},
+                   {"leak_epochs": -1}, {"device": "GPU:0"}):
+            try:
+                tf_memguard.MemGuardCallback(**kw)
+            except ValueError as e:
+                errors.append(str(e))
+        emit(errors=errors)
+    """)
+    assert r.returncode == 0, r
+    e = r.data["errors"]
+    assert len(e) == 6
+    assert e[0].startswith("warn_at=0:") and e[1].startswith("headroom=1.5:") and e[2].startswith("batch_size=-3:")
+    assert e[3].startswith("verbose='loud':") and e[4].startswith("leak_epochs=-1:") and "GPU" in e[5]
+
+
+def test_oom_is_explained_reported_and_a_retry_at_the_suggestion_succeeds():
+    r = run(SETUP, """
+        import gc
+        tf_memguard.install(max_bytes="96MiB")
+        m = make()
+        m.fit(x[:64], y[:64], batch_size=32, epochs=1, verbose=0)
+        weights = [w.copy() for w in m.get_weights()]
+        cb = tf_memguard.MemGuardCallback(verbose=0)
+        try:
+            m.fit(x, y, batch_size=1024, epochs=1, verbose=0, callbacks=[cb])
+            notes = None
+        except tf.errors.ResourceExhaustedError as e:
+            notes = "\\n".join(getattr(e, "__notes__", [])) or str(e)
+        unchanged = all(np.array_equal(a, b) for a, b in zip(weights, m.get_weights()))
+        gc.collect()
+        size = tf_memguard.report().suggested_batch_size
+        oom = tf_memguard.report().oom
+        h = m.fit(x, y, batch_size=size, epochs=1, verbose=0, callbacks=[cb])
+        emit(notes=notes, unchanged=unchanged, size=size, oom=oom, retry_loss=h.history["loss"][0],
+             limit=tf_memguard.stats()["bytes_limit"])
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["notes"] is not None
+    for part in ("tf_memguard: CPU:0: cannot allocate", "of the 96.0 MiB budget in use", "largest free block",
+                 "Reduce the batch size to", "(now 1024)"):
+        assert part in d["notes"], d["notes"]
+    assert d["oom"] and "cannot allocate" in d["oom"]
+    assert d["unchanged"] is True
+    assert 1 <= d["size"] < 1024
+    assert d["retry_loss"] == d["retry_loss"]
+    assert d["limit"] == 96 << 20  # the budget raised for the trial steps is back
+
+
+def test_find_batch_size_restores_the_model_exactly_and_its_answer_fits():
+    r = run(SETUP, """
+        tf_memguard.install(max_bytes="128MiB")
+        m = make()
+        m.fit(x[:64], y[:64], batch_size=32, epochs=1, verbose=0)   # optimizer built
+        w0 = [w.copy() for w in m.get_weights()]
+        o0 = [v.numpy().copy() for v in m.optimizer.variables]
+        size = tf_memguard.find_batch_size(m, x, y)
+        same_w = all(np.array_equal(a, b) for a, b in zip(w0, m.get_weights()))
+        same_o = all(np.array_equal(a, v.numpy()) for a, v in zip(o0, m.optimizer.variables))
+        m.fit(x, y, batch_size=size, epochs=1, verbose=0)
+        emit(size=size, same_w=same_w, same_o=same_o, refusals=tf_memguard.stats()["num_refusals"])
+    """, env=HARD)
+    assert r.returncode == 0, r
+    assert r.data["same_w"] is True and r.data["same_o"] is True
+    assert r.data["size"] >= 32
+
+
+def test_leak_rule():
+    from tf_memguard._report import leak_verdict
+    MiB = 1 << 20
+    assert leak_verdict([10 * MiB, 10 * MiB]) == "too few epochs to tell"
+    assert leak_verdict([10 * MiB, 20 * MiB, 30 * MiB, 40 * MiB]).startswith("possible leak: live bytes at epoch end grew 3")
+    assert leak_verdict([10 * MiB, 20 * MiB, 20 * MiB, 40 * MiB]) == "no leak"
+    assert leak_verdict([10 * MiB, 10 * MiB + 1000, 10 * MiB + 2000, 10 * MiB + 3000]) == "no leak"
