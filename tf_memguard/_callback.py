@@ -12,11 +12,9 @@ from tf_memguard import _advisor, _core, _install, _report
 from tf_memguard._units import format_bytes
 
 
-# The share of the estimated largest batch size suggested after an out-of-memory error.
-# The estimate rests on a lower bound of what the refused step needed: a refusal in the
-# forward pass comes before the backward pass's gradients (seen: a step refused at 1024
-# samples, then again at 0.75 of the estimate; at 0.5 it fitted).
-OOM_SAFETY = 0.5
+# The share of the largest batch size that fitted a trial step (or of the estimate) that
+# is suggested after an out-of-memory error: the retry must fit, first time.
+OOM_SAFETY = 0.75
 
 
 class BudgetExceededError(tf.errors.ResourceExhaustedError):
@@ -44,15 +42,6 @@ def _fit_arguments():
         return {}
     finally:
         del frame
-
-
-def _restore_limit(pool, budget):
-    pool.release_unused()
-    try:
-        pool.set_limit(budget)
-        return True
-    except MemoryError:
-        return False
 
 
 def _is_arrays(data):
@@ -140,15 +129,9 @@ class MemGuardCallback(keras.callbacks.Callback):
 
     # -- per-run state -------------------------------------------------------------
 
-    _pending_limits = {}  # device -> budget to put back (see _measure_after_oom)
-
     def on_train_begin(self, logs=None):
         # Everything per run is reset here, so one instance serves several fit() calls.
         self._pool = _install.device_pool(self.device)
-        pending = MemGuardCallback._pending_limits.pop(self.device, None)
-        if pending is not None and not _restore_limit(self._pool, pending):
-            warnings.warn(f"tf_memguard: the {format_bytes(pending)} budget could not be put back after the trial "
-                          "steps of the last out-of-memory error; call tf_memguard.install() again", stacklevel=2)
         self._start = self._pool.stats()
         self._budget = self._start["bytes_limit"]
         fit_args = _fit_arguments()
@@ -374,10 +357,7 @@ class MemGuardCallback(keras.callbacks.Callback):
         """(batch size, "" if measured else "about ") after a refused step.
 
         With array data, up to ``oom_trials`` trial steps measure it (weights and
-        optimizer state restored). Until the exception is gone, fit()'s frames hold its
-        iterator and the batches it prefetched, which the retry will not meet; the
-        budget is raised by what the failed run still holds beyond its start for the
-        trials, and put back after. Without arrays (or when no trial fits), an estimate:
+        optimizer state restored). Without arrays (or when no trial fits), an estimate:
         the refused step needed at least what was live plus the request, its
         batch-shaped part scaling with the batch; scaled by OOM_SAFETY, since that need is
         a lower bound.
@@ -396,40 +376,32 @@ class MemGuardCallback(keras.callbacks.Callback):
         target = self._budget * (1 - self.headroom)
         if batch_live <= 0 or fixed >= target:
             return None, "about "
-        size = int(OOM_SAFETY * (target - fixed) / (batch_live / b0))
+        # The need is a lower bound (a refusal in the forward pass comes before the
+        # backward pass's gradients): half of the estimate.
+        size = int(0.5 * OOM_SAFETY * (target - fixed) / (batch_live / b0))
         return max(1, min(size, b0 - 1)), "about "
 
     def _measure_after_oom(self, b0, needed, batch_live):
+        # Until the exception is gone, fit()'s frames hold its iterator and the batches it
+        # prefetched, so the trials meet a fuller pool than the retry will: their answer
+        # errs small, never over the budget. (Raising the budget for the trials was
+        # tried: the retry's copy of the data could land in the extra room, and the
+        # budget could not be put back.)
         pool, budget = self._pool, self._budget
-
-        def pooled(st):
-            return st["bytes_in_use"] - st["overshoot_bytes_in_use"] - st["passthrough_bytes_in_use"]
-
-        leftover = max(0, pooled(pool.stats()) - pooled(self._start))
-        per_sample = sum(int(a.nbytes) // max(int(a.shape[0]), 1)
-                         for part in (self._fit_x, self._fit_y) if part is not None
-                         for a in keras.tree.flatten(part))
         failed = _advisor.Point(batch_size=b0, peak_bytes=needed, batch_bytes=batch_live,
-                                base_bytes=pooled(self._start), fits=False)
+                                base_bytes=self._start["bytes_in_use"], fits=False)
         known = [p for p in self._points if p.batch_size < b0 and p.fits] + [failed]
-        if leftover:
-            pool.set_limit(budget + leftover)
         self._in_trials = True
         try:
-            found, _ = _advisor.search(self.model, self._fit_x, self._fit_y, budget + leftover, pool,
-                                       points=known, trials=self.oom_trials,
-                                       hold=lambda b: [per_sample * b * 2], headroom=self.headroom)
+            found, _ = _advisor.search(self.model, self._fit_x, self._fit_y, budget, pool,
+                                       points=known, trials=self.oom_trials, headroom=self.headroom)
         finally:
             self._in_trials = False
-            if leftover and not _restore_limit(pool, budget):
-                # Something the trials created still sits in the extra room; the next
-                # run of this callback puts the budget back once it is free.
-                MemGuardCallback._pending_limits[self.device] = budget
         if not found.measured:
             return None
         # A lone trial step meets the budget in one layout of the pool; a run goes
-        # through many: leave the headroom.
-        return max(1, int(found.batch_size * (1 - self.headroom)))
+        # through many: leave OOM_SAFETY.
+        return max(1, int(found.batch_size * OOM_SAFETY))
 
     def _stop_for_overshoot(self, stats):
         over = stats["overshoot_bytes_by_kind"]["kernel"]
