@@ -100,7 +100,7 @@ core = PlainSharedLibrary(
     include_dirs=[HERE],
     language="c++",
     extra_compile_args=CXXFLAGS,
-    extra_link_args=["-Wl,-soname,libtfmg_core.so", "-pthread"],
+    extra_link_args=["-Wl,-soname,libtfmg_core.so", "-pthread", "-ldl"],
 )
 
 bindings = Extension(

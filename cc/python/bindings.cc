@@ -128,9 +128,20 @@ py::dict refusal_dict(const tfmg_refusal& r) {
 class Pool {
  public:
   Pool(const py::object& max_bytes, const py::object& alignment, const py::object& region_bytes,
-       const py::object& small_threshold, const py::object& trace_capacity) {
+       const py::object& small_threshold, const py::object& trace_capacity, const std::string& upstream,
+       int device) {
     tfmg_pool_options o;
     tfmg_pool_options_init(&o);
+    if (upstream == "host") {
+      o.upstream = TFMG_UPSTREAM_HOST;
+    } else if (upstream == "cuda") {
+      o.upstream = TFMG_UPSTREAM_CUDA;
+    } else if (upstream == "cuda_managed") {
+      o.upstream = TFMG_UPSTREAM_CUDA_MANAGED;
+    } else {
+      throw py::value_error("upstream='" + upstream + "': must be 'host', 'cuda' or 'cuda_managed'");
+    }
+    o.device = device;
     o.max_bytes = to_u64(max_bytes, "max_bytes", false);
     o.alignment = to_u64(alignment, "alignment", false);
     o.region_bytes = to_u64(region_bytes, "region_bytes", true);
@@ -346,9 +357,10 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<Pool>(m, "Pool")
       .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&,
-                    const py::object&>(),
+                    const py::object&, const std::string&, int>(),
            py::arg("max_bytes") = 0, py::arg("alignment") = 0, py::arg("region_bytes") = 0,
-           py::arg("small_threshold") = 0, py::arg("trace_capacity") = 0)
+           py::arg("small_threshold") = 0, py::arg("trace_capacity") = 0, py::arg("upstream") = "host",
+           py::arg("device") = 0)
       .def("allocate", &Pool::allocate, py::arg("nbytes"), py::arg("alignment") = 0,
            py::arg("must_succeed") = false, py::arg("batch") = false)
       .def("free", &Pool::free, py::arg("address"))

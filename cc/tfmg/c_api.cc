@@ -61,9 +61,10 @@ void tfmg_pool_options_init(tfmg_pool_options* o) {
 
 tfmg_status tfmg_pool_create(const tfmg_pool_options* o, tfmg_pool** out) {
   if (o == nullptr || out == nullptr) return fail(TFMG_ERROR_INVALID_ARGUMENT, "options and out must not be null");
-  if (o->upstream != TFMG_UPSTREAM_HOST) {
-    return fail(TFMG_ERROR_INVALID_ARGUMENT,
-                "upstream=" + std::to_string(o->upstream) + ": only the host upstream (0) exists");
+  if (o->upstream != TFMG_UPSTREAM_HOST && o->upstream != TFMG_UPSTREAM_CUDA &&
+      o->upstream != TFMG_UPSTREAM_CUDA_MANAGED) {
+    return fail(TFMG_ERROR_INVALID_ARGUMENT, "upstream=" + std::to_string(o->upstream) +
+                                                 ": must be host (0), cuda (1) or cuda_managed (2)");
   }
   if (o->alignment != 0 && (!is_pow2(o->alignment) || o->alignment > (1u << 20))) {
     return fail(TFMG_ERROR_INVALID_ARGUMENT, "alignment=" + std::to_string(o->alignment) +
@@ -75,8 +76,16 @@ tfmg_status tfmg_pool_create(const tfmg_pool_options* o, tfmg_pool** out) {
   if (o->region_bytes != 0) c.region_bytes = o->region_bytes;
   if (o->small_threshold != 0) c.small_threshold = o->small_threshold;
   c.trace_capacity = o->trace_capacity;
+  std::unique_ptr<tfmg::upstream> up;
+  if (o->upstream == TFMG_UPSTREAM_HOST) {
+    up = tfmg::make_host_upstream();
+  } else {
+    std::string why;
+    up = tfmg::make_cuda_upstream(o->device, o->upstream == TFMG_UPSTREAM_CUDA_MANAGED, &why);
+    if (!up) return fail(TFMG_ERROR_UPSTREAM, "cannot use CUDA memory: " + why);
+  }
   try {
-    *out = new tfmg_pool(tfmg::make_host_upstream(), c);
+    *out = new tfmg_pool(std::move(up), c);
   } catch (const std::bad_alloc&) {
     return fail(TFMG_ERROR_OUT_OF_MEMORY, "no memory to create the pool");
   }

@@ -57,7 +57,9 @@ typedef enum tfmg_status {
 #define TFMG_NUM_KINDS 4
 
 typedef enum tfmg_upstream_kind {
-  TFMG_UPSTREAM_HOST = 0 /* page-aligned host memory (mmap for large regions) */
+  TFMG_UPSTREAM_HOST = 0,        /* page-aligned host memory (mmap for regions) */
+  TFMG_UPSTREAM_CUDA = 1,        /* CUDA device memory (cuMemAlloc), driver loaded at run time */
+  TFMG_UPSTREAM_CUDA_MANAGED = 2 /* CUDA managed memory, prefetched to the device */
 } tfmg_upstream_kind;
 
 typedef struct tfmg_pool_options {
@@ -79,6 +81,7 @@ typedef struct tfmg_pool_options {
   /* Capacity of the trace ring buffer in events; 0 turns the trace off. */
   uint64_t trace_capacity;
   tfmg_upstream_kind upstream;
+  int32_t device; /* CUDA device ordinal for the CUDA upstreams */
 } tfmg_pool_options;
 
 /* Statistics. The first eight fields carry TensorFlow's names and meanings

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 
 namespace tfmg {
 
@@ -41,6 +42,11 @@ class upstream {
 
 // Host memory: mmap for regions, aligned malloc for single blocks.
 std::unique_ptr<upstream> make_host_upstream();
+
+// CUDA memory of `device` through the driver API, loaded at run time; `managed`:
+// cuMemAllocManaged, prefetched to the device. Null with *error when there is no
+// driver or no such device.
+std::unique_ptr<upstream> make_cuda_upstream(int device, bool managed, std::string* error);
 
 }  // namespace tfmg
 

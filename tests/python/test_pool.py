@@ -319,3 +319,13 @@ def test_replay_stops_at_the_first_refusal_and_frees_everything():
     assert tiny.stats()["bytes_in_use"] == 0
     r = _core.replay_system(sizes, slots, is_free, 3)
     assert r["failed_at"] is None
+
+
+def test_cuda_upstream_without_a_driver_or_gpu_says_so():
+    import os
+    if os.path.exists("/dev/nvidia0"):
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(MemoryError, match="cannot use CUDA memory: (no CUDA driver|cuInit failed)"):
+        tf_memguard.Pool(max_bytes=1 << 20, upstream="cuda")
+    with pytest.raises(ValueError, match="upstream='tpu': must be 'host', 'cuda' or 'cuda_managed'"):
+        tf_memguard.Pool(max_bytes=1 << 20, upstream="tpu")

@@ -1,0 +1,344 @@
+// The pool on CUDA memory, proven on a real GPU (benchmarks/gpu/run_h200.sh builds and
+// runs this on the lent H200; no TensorFlow there).
+//
+//   gpu_proof TRACE_DIR OUT.json
+//
+// 1. Correctness against device memory: random allocate/free under a budget; every block
+//    is filled by a kernel with a pattern of its own when handed out and checked by a
+//    kernel when freed, so overlapping or unmapped blocks show up as mismatches or
+//    faults; the budget is checked after every operation; tfmg_pool_check at the end.
+// 2. The same from 8 threads at once (each with its own stream), then the checker.
+// 3. Latency: the traces of benchmarks/alloc_latency.py (dumped by dump_traces.py) through
+//    the pool, cudaMalloc/cudaFree and cudaMallocAsync/cudaFreeAsync (a pool with the
+//    release threshold at its maximum), all in this process; host-side ns per op.
+// 4. The smallest budget at which the pool completes each churn trace, by bisection.
+// 5. Managed memory: a pool over cuMemAllocManaged; a kernel writes its blocks, the host
+//    reads them back.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cc/tfmg/c_api.h"
+
+#define CUDA_OK(x)                                                                      \
+  do {                                                                                  \
+    cudaError_t e_ = (x);                                                               \
+    if (e_ != cudaSuccess) {                                                            \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+namespace {
+
+__global__ void fill(uint32_t* p, size_t n, uint32_t pattern) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    p[i] = pattern ^ static_cast<uint32_t>(i);
+  }
+}
+
+__global__ void check(const uint32_t* p, size_t n, uint32_t pattern, unsigned long long* bad) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    if (p[i] != (pattern ^ static_cast<uint32_t>(i))) atomicAdd(bad, 1ull);
+  }
+}
+
+unsigned blocks_for(size_t words) { return static_cast<unsigned>(std::min<size_t>(1024, (words + 255) / 256)); }
+
+tfmg_pool* make_pool(uint64_t budget, tfmg_upstream_kind kind) {
+  tfmg_pool_options o;
+  tfmg_pool_options_init(&o);
+  o.max_bytes = budget;
+  o.upstream = kind;
+  o.device = 0;
+  tfmg_pool* p = nullptr;
+  if (tfmg_pool_create(&o, &p) != TFMG_OK) {
+    std::fprintf(stderr, "pool: %s\n", tfmg_last_error());
+    std::exit(2);
+  }
+  return p;
+}
+
+struct result_json {
+  std::ostringstream s;
+};
+
+// ---- 1 and 2: correctness ----------------------------------------------------------
+
+struct correctness {
+  uint64_t ops = 0, allocs = 0, refusals = 0, mismatches = 0, budget_violations = 0;
+  bool valid = false;
+};
+
+correctness random_ops_with_kernels(tfmg_pool* pool, uint64_t budget, int ops, uint32_t seed,
+                                    cudaStream_t stream, unsigned long long* bad_dev) {
+  correctness c;
+  std::mt19937 rng(seed);
+  struct live_block { uint32_t* p; size_t bytes; uint32_t pattern; };
+  std::vector<live_block> live;
+  for (int i = 0; i < ops; ++i) {
+    ++c.ops;
+    if (live.empty() || (rng() % 100) < 55) {
+      // Log-uniform 256 B .. 8 MiB.
+      const double lg = std::log(256.0) + (std::log(8.0 * 1024 * 1024) - std::log(256.0)) * (rng() / 4294967296.0);
+      size_t bytes = static_cast<size_t>(std::exp(lg)) & ~size_t(3);
+      if (bytes < 4) bytes = 4;
+      void* p = nullptr;
+      if (tfmg_pool_allocate(pool, bytes, 0, 0, &p) != TFMG_OK) {
+        ++c.refusals;
+        continue;
+      }
+      ++c.allocs;
+      const uint32_t pattern = rng();
+      fill<<<blocks_for(bytes / 4), 256, 0, stream>>>(static_cast<uint32_t*>(p), bytes / 4, pattern);
+      live.push_back({static_cast<uint32_t*>(p), bytes, pattern});
+    } else {
+      const size_t k = rng() % live.size();
+      const live_block b = live[k];
+      check<<<blocks_for(b.bytes / 4), 256, 0, stream>>>(b.p, b.bytes / 4, b.pattern, bad_dev);
+      // The block may be handed out again at once: its check must run before any reuse.
+      CUDA_OK(cudaStreamSynchronize(stream));
+      tfmg_pool_deallocate(pool, b.p, nullptr);
+      live[k] = live.back();
+      live.pop_back();
+    }
+    tfmg_stats s;
+    tfmg_pool_get_stats(pool, &s);
+    if (static_cast<uint64_t>(s.bytes_reserved) > budget) ++c.budget_violations;
+  }
+  for (const auto& b : live) {
+    check<<<blocks_for(b.bytes / 4), 256, 0, stream>>>(b.p, b.bytes / 4, b.pattern, bad_dev);
+  }
+  CUDA_OK(cudaStreamSynchronize(stream));
+  for (const auto& b : live) tfmg_pool_deallocate(pool, b.p, nullptr);
+  return c;
+}
+
+// ---- 3 and 4: traces ---------------------------------------------------------------
+
+struct trace {
+  std::string name;
+  std::vector<tfmg_replay_op> ops;
+  uint64_t slots = 0, peak_live = 0;
+};
+
+bool load_trace(const std::string& dir, const std::string& name, trace* t) {
+  std::ifstream meta(dir + "/" + name + ".meta");
+  std::ifstream bin(dir + "/" + name + ".bin", std::ios::binary);
+  if (!meta || !bin) return false;
+  uint64_t n = 0;
+  meta >> n >> t->slots >> t->peak_live;
+  t->ops.resize(n);
+  bin.read(reinterpret_cast<char*>(t->ops.data()), n * sizeof(tfmg_replay_op));
+  t->name = name;
+  return static_cast<bool>(bin);
+}
+
+template <class Alloc, class Free>
+double replay_ns(const trace& t, Alloc&& alloc, Free&& free_fn, bool* ok) {
+  std::vector<void*> table(t.slots, nullptr);
+  *ok = true;
+  const auto start = std::chrono::steady_clock::now();
+  for (const auto& op : t.ops) {
+    if (op.is_free) {
+      free_fn(table[op.slot]);
+      table[op.slot] = nullptr;
+    } else {
+      void* p = alloc(op.size);
+      if (p == nullptr) {
+        *ok = false;
+        break;
+      }
+      table[op.slot] = p;
+    }
+  }
+  const auto stop = std::chrono::steady_clock::now();
+  for (void* p : table) {
+    if (p != nullptr) free_fn(p);
+  }
+  return std::chrono::duration<double, std::nano>(stop - start).count() / t.ops.size();
+}
+
+double median3(double a, double b, double c) { return std::max(std::min(a, b), std::min(std::max(a, b), c)); }
+
+double pool_ns(const trace& t, uint64_t budget) {
+  double r[3];
+  for (double& v : r) {
+    tfmg_pool* pool = make_pool(budget, TFMG_UPSTREAM_CUDA);
+    tfmg_replay_result res;
+    tfmg_replay_pool(pool, t.ops.data(), t.ops.size(), t.slots, &res);
+    v = res.failed_at == UINT64_MAX ? double(res.elapsed_ns) / t.ops.size() : -1.0;
+    tfmg_pool_destroy(pool, 1);
+  }
+  return median3(r[0], r[1], r[2]);
+}
+
+bool pool_completes(const trace& t, uint64_t budget) {
+  tfmg_pool* pool = make_pool(budget, TFMG_UPSTREAM_CUDA);
+  tfmg_replay_result res;
+  tfmg_replay_pool(pool, t.ops.data(), t.ops.size(), t.slots, &res);
+  tfmg_pool_destroy(pool, 1);
+  return res.failed_at == UINT64_MAX;
+}
+
+double min_budget_over_peak(const trace& t) {
+  uint64_t lo = t.peak_live, hi = t.peak_live + t.peak_live / 4 + (4u << 20);
+  while (!pool_completes(t, hi)) {
+    lo = hi;
+    hi *= 2;
+  }
+  while (hi - lo > t.peak_live / 500) {
+    const uint64_t mid = lo + (hi - lo) / 2;
+    (pool_completes(t, mid) ? hi : lo) = mid;
+  }
+  return double(hi) / double(t.peak_live);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: gpu_proof TRACE_DIR OUT.json\n");
+    return 2;
+  }
+  const std::string dir = argv[1];
+  CUDA_OK(cudaSetDevice(0));
+  cudaDeviceProp prop;
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  std::ostringstream js;
+  js << "{\n  \"device\": \"" << prop.name << "\",\n";
+
+  // 1. Correctness, one thread.
+  unsigned long long* bad_dev = nullptr;
+  CUDA_OK(cudaMalloc(&bad_dev, sizeof(unsigned long long)));
+  CUDA_OK(cudaMemset(bad_dev, 0, sizeof(unsigned long long)));
+  const uint64_t budget = 512ull << 20;
+  tfmg_pool* pool = make_pool(budget, TFMG_UPSTREAM_CUDA);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreate(&stream));
+  correctness c1 = random_ops_with_kernels(pool, budget, 20000, 1, stream, bad_dev);
+  unsigned long long bad = 0;
+  CUDA_OK(cudaMemcpy(&bad, bad_dev, sizeof bad, cudaMemcpyDeviceToHost));
+  c1.mismatches = bad;
+  c1.valid = tfmg_pool_check(pool) == TFMG_OK;
+  std::printf("correctness: %llu ops, %llu allocs, %llu refused, %llu mismatching words, %llu budget violations, valid=%d\n",
+              (unsigned long long)c1.ops, (unsigned long long)c1.allocs, (unsigned long long)c1.refusals,
+              (unsigned long long)c1.mismatches, (unsigned long long)c1.budget_violations, c1.valid);
+  tfmg_pool_destroy(pool, 1);
+
+  // 2. Eight threads.
+  CUDA_OK(cudaMemset(bad_dev, 0, sizeof(unsigned long long)));
+  const uint64_t budget_mt = 2048ull << 20;
+  pool = make_pool(budget_mt, TFMG_UPSTREAM_CUDA);
+  std::vector<std::thread> threads;
+  std::vector<correctness> per(8);
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      cudaSetDevice(0);
+      cudaStream_t s;
+      cudaStreamCreate(&s);
+      per[t] = random_ops_with_kernels(pool, budget_mt, 12500, 100 + t, s, bad_dev);
+      cudaStreamDestroy(s);
+    });
+  }
+  for (auto& th : threads) th.join();
+  CUDA_OK(cudaMemcpy(&bad, bad_dev, sizeof bad, cudaMemcpyDeviceToHost));
+  uint64_t mt_ops = 0, mt_viol = 0;
+  for (auto& p : per) {
+    mt_ops += p.ops;
+    mt_viol += p.budget_violations;
+  }
+  tfmg_stats st;
+  tfmg_pool_get_stats(pool, &st);
+  const bool mt_valid = tfmg_pool_check(pool) == TFMG_OK && st.bytes_in_use == 0;
+  std::printf("threads: 8 x 12500 ops (%llu), %llu mismatching words, %llu budget violations, valid=%d\n",
+              (unsigned long long)mt_ops, bad, (unsigned long long)mt_viol, mt_valid);
+  tfmg_pool_destroy(pool, 1);
+  js << "  \"correctness\": {\"ops\": " << c1.ops << ", \"allocs\": " << c1.allocs << ", \"refusals\": "
+     << c1.refusals << ", \"mismatching_words\": " << c1.mismatches << ", \"budget_violations\": "
+     << c1.budget_violations << ", \"valid\": " << (c1.valid ? "true" : "false") << "},\n";
+  js << "  \"threads\": {\"threads\": 8, \"ops\": " << mt_ops << ", \"mismatching_words\": " << bad
+     << ", \"budget_violations\": " << mt_viol << ", \"valid\": " << (mt_valid ? "true" : "false") << "},\n";
+
+  // 3 and 4. Traces.
+  cudaMemPool_t mempool;
+  CUDA_OK(cudaDeviceGetDefaultMemPool(&mempool, 0));
+  uint64_t threshold = UINT64_MAX;
+  CUDA_OK(cudaMemPoolSetAttribute(mempool, cudaMemPoolAttrReleaseThreshold, &threshold));
+  const char* names[] = {"pairs_512", "pairs_64k", "pairs_4m", "churn_100", "churn_2000", "churn_10000"};
+  js << "  \"traces\": {\n";
+  std::printf("\n%-12s %12s %14s %14s %12s\n", "trace", "pool ns/op", "cudaMalloc", "cudaMallocAsync", "min budget");
+  bool first = true;
+  for (const char* name : names) {
+    trace t;
+    if (!load_trace(dir, name, &t)) {
+      std::fprintf(stderr, "missing trace %s\n", name);
+      return 2;
+    }
+    const double p_ns = pool_ns(t, 4 * t.peak_live + (64u << 20));
+    bool ok1 = true, ok2 = true;
+    const double m_ns = replay_ns(
+        t, [](uint64_t n) { void* p = nullptr; return cudaMalloc(&p, n) == cudaSuccess ? p : nullptr; },
+        [](void* p) { cudaFree(p); }, &ok1);
+    const double a_ns = replay_ns(
+        t, [stream](uint64_t n) { void* p = nullptr; return cudaMallocAsync(&p, n, stream) == cudaSuccess ? p : nullptr; },
+        [stream](void* p) { cudaFreeAsync(p, stream); }, &ok2);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const bool churn = std::strncmp(name, "churn", 5) == 0;
+    const double mb = churn ? min_budget_over_peak(t) : 0.0;
+    std::printf("%-12s %12.1f %14.1f %14.1f %12.4f\n", name, p_ns, m_ns, a_ns, mb);
+    js << (first ? "" : ",\n") << "    \"" << name << "\": {\"ops\": " << t.ops.size() << ", \"peak_live_bytes\": "
+       << t.peak_live << ", \"pool_ns_per_op\": " << p_ns << ", \"cuda_malloc_ns_per_op\": " << m_ns
+       << ", \"cuda_async_ns_per_op\": " << a_ns;
+    if (churn) js << ", \"min_budget_over_peak_live\": " << mb;
+    js << "}";
+    first = false;
+  }
+  js << "\n  },\n";
+
+  // 5. Managed memory used by a kernel.
+  tfmg_pool* managed = make_pool(256ull << 20, TFMG_UPSTREAM_CUDA_MANAGED);
+  uint64_t managed_bad = 0, managed_blocks = 0;
+  std::vector<std::pair<uint32_t*, size_t>> blocks;
+  for (int i = 0; i < 64; ++i) {
+    const size_t bytes = (size_t(1) << (10 + i % 12));
+    void* p = nullptr;
+    if (tfmg_pool_allocate(managed, bytes, 0, 0, &p) != TFMG_OK) break;
+    fill<<<blocks_for(bytes / 4), 256, 0, stream>>>(static_cast<uint32_t*>(p), bytes / 4, 0xabc000u + i);
+    blocks.emplace_back(static_cast<uint32_t*>(p), bytes);
+  }
+  CUDA_OK(cudaStreamSynchronize(stream));
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const uint32_t* h = blocks[b].first;  // managed: readable on the host
+    for (size_t i = 0; i < blocks[b].second / 4; ++i) {
+      if (h[i] != ((0xabc000u + b) ^ static_cast<uint32_t>(i))) ++managed_bad;
+    }
+    ++managed_blocks;
+  }
+  for (auto& b : blocks) tfmg_pool_deallocate(managed, b.first, nullptr);
+  const bool managed_valid = tfmg_pool_check(managed) == TFMG_OK;
+  tfmg_pool_destroy(managed, 1);
+  std::printf("\nmanaged: %llu blocks written by a kernel, read on the host: %llu mismatching words, valid=%d\n",
+              (unsigned long long)managed_blocks, (unsigned long long)managed_bad, managed_valid);
+  js << "  \"managed\": {\"blocks\": " << managed_blocks << ", \"mismatching_words\": " << managed_bad
+     << ", \"valid\": " << (managed_valid ? "true" : "false") << "}\n}\n";
+
+  std::ofstream(argv[2]) << js.str();
+  std::printf("wrote %s\n", argv[2]);
+  const bool pass = c1.mismatches == 0 && c1.budget_violations == 0 && c1.valid && bad == 0 && mt_viol == 0 &&
+                    mt_valid && managed_bad == 0 && managed_valid;
+  std::printf("%s\n", pass ? "GPU PROOF PASSED" : "GPU PROOF FAILED");
+  return pass ? 0 : 1;
+}
