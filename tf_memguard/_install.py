@@ -55,9 +55,8 @@ def normalize_device(device):
             raise ValueError(f"device={device!r}: TensorFlow has one CPU allocator; use 'CPU:0'")
         return "CPU:0"
     if kind in ("GPU", "CUDA"):
-        raise ValueError(f"device={device!r}: GPU budgets need the CUDA upstream, which this build "
-                         "does not have; use 'CPU:0'")
-    raise ValueError(f"device={device!r}: unknown device type {kind!r}; use 'CPU:0'")
+        return f"GPU:{index}"
+    raise ValueError(f"device={device!r}: unknown device type {kind!r}; use 'CPU:0' or 'GPU:0'")
 
 
 def _env_true(name):
@@ -88,8 +87,35 @@ def _check_plugin():
 
 
 def device_pool(device="CPU:0"):
-    """The process-wide pool of `device`, shared with TensorFlow (a tf_memguard.Pool)."""
-    return _core.device_pool(normalize_device(device))
+    """The process-wide pool of `device`, shared with TensorFlow (a tf_memguard.Pool).
+
+    CPU:0 always has one (counting, before install()); a GPU has one after
+    install(device="GPU:<n>")."""
+    device = normalize_device(device)
+    if device == "CPU:0":
+        return _core.device_pool(device)
+    pool = _core.find_device_pool(device)
+    if pool is None:
+        raise RuntimeError(f"device={device!r}: no pool yet; call tf_memguard.install(max_bytes, device={device!r})")
+    return pool
+
+
+def _gpu_pool(device):
+    """Creates the pool of GPU:<n> over CUDA memory, for TensorFlow's GPU allocator hook."""
+    import tensorflow as tf
+
+    if not _core.plugin_state() & _core.PLUGIN_GPU_HOOK:
+        raise RuntimeError("tf_memguard's GPU allocator hook is not installed in this TensorFlow (another "
+                           "GPUProcessState was created first), so a GPU budget cannot be enforced.")
+    index = int(device.split(":")[1])
+    gpus = tf.config.list_physical_devices("GPU")
+    if index >= len(gpus):
+        raise RuntimeError(f"device={device!r}: TensorFlow sees {len(gpus)} GPU(s) (tensorflow-cpu has no CUDA "
+                           "support); install a CUDA build of TensorFlow, or use 'CPU:0'")
+    try:
+        return _core.configure_device_pool(device, "cuda", index)
+    except (MemoryError, RuntimeError) as e:
+        raise RuntimeError(f"device={device!r}: {e}") from None
 
 
 def install(max_bytes, device="CPU:0"):
@@ -111,7 +137,9 @@ def install(max_bytes, device="CPU:0"):
         max_bytes: the budget: an int (bytes), a float in (0, 1] (a fraction of the
             device's memory: for the host, physical memory or the cgroup limit if lower),
             or a string such as "6GB", "512MiB" or "50%".
-        device: "CPU:0" (the default). Defaults to "CPU:0".
+        device: "CPU:0", or "GPU:<n>" (a fraction is then of that GPU's memory; call
+            install() before TensorFlow creates its GPU devices, i.e. before the first op
+            or model). Defaults to "CPU:0".
 
     Returns:
         The Config in force.
@@ -127,7 +155,7 @@ def install(max_bytes, device="CPU:0"):
     """
     device = normalize_device(device)
     _check_plugin()
-    pool = _core.device_pool(device)
+    pool = _core.device_pool(device) if device == "CPU:0" else _gpu_pool(device)
     total = pool.total_memory()
     n = parse_bytes(max_bytes, total)
     with _lock:
@@ -151,17 +179,17 @@ def stats(device="CPU:0"):
     Works with and without install(): without it, the pool passes allocations through
     to host memory and still counts them.
     """
-    return _core.device_pool(normalize_device(device)).stats()
+    return device_pool(device).stats()
 
 
 def last_refusal(device="CPU:0"):
     """The state at the most recent refused request on `device` (a dict), or None."""
-    return _core.device_pool(normalize_device(device)).last_refusal()
+    return device_pool(device).last_refusal()
 
 
 def reset_peak(device="CPU:0"):
     """Starts a new window for stats()["window_peak_bytes_in_use"] (e.g. per epoch)."""
-    _core.device_pool(normalize_device(device)).reset_peak()
+    device_pool(device).reset_peak()
 
 
 __all__ = ["Config", "HELP", "config", "device_pool", "install", "last_refusal", "reset_peak", "stats"]

@@ -387,6 +387,35 @@ PYBIND11_MODULE(_core, m) {
         return new Pool(p);
       },
       py::arg("device"), "The process-wide pool of a device, shared with the TensorFlow plugin.");
+  m.def(
+      "configure_device_pool",
+      [](const std::string& device, const std::string& upstream, int index) {
+        tfmg_pool_options o;
+        tfmg_pool_options_init(&o);
+        if (upstream == "cuda") {
+          o.upstream = TFMG_UPSTREAM_CUDA;
+        } else if (upstream == "cuda_managed") {
+          o.upstream = TFMG_UPSTREAM_CUDA_MANAGED;
+        } else if (upstream != "host") {
+          throw py::value_error("upstream='" + upstream + "': must be 'host', 'cuda' or 'cuda_managed'");
+        }
+        o.device = index;
+        call([&] { return tfmg_device_pool_configure(device.c_str(), &o); });
+        tfmg_pool* p = nullptr;
+        call([&] { return tfmg_device_pool_find(device.c_str(), &p); });
+        return new Pool(p);
+      },
+      py::arg("device"), py::arg("upstream"), py::arg("index") = 0,
+      "Creates the process-wide pool of a device over the given upstream (no budget yet).");
+  m.def(
+      "find_device_pool",
+      [](const std::string& device) -> py::object {
+        tfmg_pool* p = nullptr;
+        if (tfmg_device_pool_find(device.c_str(), &p) != TFMG_OK) return py::none();
+        return py::cast(new Pool(p), py::return_value_policy::take_ownership);
+      },
+      py::arg("device"));
+  m.attr("PLUGIN_GPU_HOOK") = TFMG_PLUGIN_GPU_HOOK;
   m.def("plugin_state", &tfmg_plugin_state);
   m.def("set_profile_batch", &tfmg_set_profile_batch, py::arg("batch_size"),
         "While non-zero, the TensorFlow plugin tags kernel allocations whose first dimension is "

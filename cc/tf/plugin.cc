@@ -29,12 +29,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <map>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "cc/tfmg/c_api.h"
 #include "xla/tsl/framework/allocator.h"
 #include "xla/tsl/framework/allocator_registry.h"
 #include "tsl/profiler/lib/scoped_memory_debug_annotation.h"
+#include "tensorflow/core/common_runtime/gpu/gpu_process_state.h"
 
 namespace tensorflow {
 bool IsMKLEnabled();  // libtensorflow_framework: oneDNN on at run time
@@ -59,6 +63,8 @@ struct core_api {
   decltype(&tfmg_pool_get_stats) get_stats;
   decltype(&tfmg_pool_clear_stats) clear_stats;
   decltype(&tfmg_profile_batch) profile_batch;
+  decltype(&tfmg_device_pool_find) device_pool_find;
+  decltype(&tfmg_device_pool_configure) device_pool_configure;
 };
 
 core_api g_api;
@@ -125,7 +131,9 @@ bool load_core() {
                   bind(h, "tfmg_pool_deallocate", &g_api.deallocate) &&
                   bind(h, "tfmg_pool_get_stats", &g_api.get_stats) &&
                   bind(h, "tfmg_pool_clear_stats", &g_api.clear_stats) &&
-                  bind(h, "tfmg_profile_batch", &g_api.profile_batch);
+                  bind(h, "tfmg_profile_batch", &g_api.profile_batch) &&
+                  bind(h, "tfmg_device_pool_find", &g_api.device_pool_find) &&
+                  bind(h, "tfmg_device_pool_configure", &g_api.device_pool_configure);
   if (!ok) {
     warn("libtfmg_core.so lacks a symbol this plugin needs; TensorFlow keeps its own allocator. "
          "Reinstall tf_memguard so both come from one build.");
@@ -288,6 +296,43 @@ class pool_allocator_factory final : public tsl::AllocatorFactory {
   tfmg_pool* pool_;
 };
 
+// TensorFlow's GPU devices take their allocator from GPUProcessState::singleton(). This
+// subclass, installed from the plugin's initializer (before TF creates GPU devices),
+// hands out tf_memguard's pool of "GPU:<id>" when install(device="GPU:<id>") created
+// one (CUDA upstream), and TensorFlow's own allocator otherwise. TF needs GetStats()
+// from a GPU allocator; pool_allocator has it.
+class gpu_process_state final : public tensorflow::GPUProcessState {
+ public:
+  tensorflow::Allocator* GetGPUAllocator(const tensorflow::GPUOptions& options,
+                                         tsl::TfDeviceId tf_device_id, size_t total_bytes,
+                                         const std::vector<tsl::TfDeviceId>& peer_gpu_ids) override {
+    const std::string device = "GPU:" + std::to_string(tf_device_id.value());
+    tfmg_pool* pool = nullptr;
+    if (g_api.device_pool_find != nullptr && g_api.device_pool_find(device.c_str(), &pool) == TFMG_OK) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = allocators_.find(device);
+      if (it == allocators_.end()) it = allocators_.emplace(device, new pool_allocator(pool)).first;
+      return it->second;
+    }
+    return GPUProcessState::GetGPUAllocator(options, tf_device_id, total_bytes, peer_gpu_ids);
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, tensorflow::Allocator*> allocators_;  // live for the process
+};
+
+gpu_process_state* g_gpu_state = nullptr;
+
+void install_gpu_hook() {
+  // singleton(ps) keeps the first instance; if TF made its own already, ours is ignored
+  // (and the flag below stays off).
+  g_gpu_state = new gpu_process_state;
+  if (tensorflow::GPUProcessState::singleton(g_gpu_state) == g_gpu_state) {
+    g_api.set_state(TFMG_PLUGIN_GPU_HOOK);
+  }
+}
+
 // Above every CPU allocator TensorFlow registers: DefaultCPUAllocator (100) and
 // MklCPUAllocator (200 when oneDNN is on, the default on CPUs with AVX-512; a tie would
 // be broken "by unspecified criteria").
@@ -323,7 +368,51 @@ void register_with_tensorflow() {
                                                         kPriority,
                                                         new pool_allocator_factory(pool));
   g_api.set_state(TFMG_PLUGIN_REGISTERED);
+  install_gpu_hook();
 }
+
+}  // namespace
+}  // namespace tfmg_tf
+
+// For tests on machines without a GPU (the CPU wheel): configures "GPU:0" as a pool
+// over host memory standing in for the device, and checks that TensorFlow's GPU
+// allocator hook hands out memory from it, counts it, and refuses a kernel's request
+// over the budget. Returns 0, or a failure code with a message in buf.
+extern "C" __attribute__((visibility("default"))) int tfmg_plugin_gpu_selftest(char* buf, size_t n) {
+  using namespace tfmg_tf;
+  auto fail = [&](int code, const char* what) {
+    std::snprintf(buf, n, "%s", what);
+    return code;
+  };
+  if (g_gpu_state == nullptr) return fail(1, "the plugin did not install its GPUProcessState");
+  if (tensorflow::GPUProcessState::singleton() != g_gpu_state) {
+    return fail(2, "GPUProcessState::singleton() is not tf_memguard's");
+  }
+  tfmg_pool_options o;
+  std::memset(&o, 0, sizeof o);
+  o.max_bytes = 64u << 20;
+  o.upstream = TFMG_UPSTREAM_HOST;
+  if (g_api.device_pool_configure("GPU:0", &o) != TFMG_OK) return fail(3, "could not configure GPU:0");
+  tensorflow::Allocator* a =
+      tensorflow::GPUProcessState::singleton()->GetGPUAllocator(tsl::TfDeviceId(0));
+  if (a == nullptr || a->Name() != "tf_memguard") return fail(4, "GetGPUAllocator did not return the pool");
+  void* p = a->AllocateRaw(256, 1u << 20);
+  auto stats = a->GetStats();
+  if (p == nullptr || !stats || stats->bytes_in_use < (1 << 20) || !stats->bytes_limit ||
+      *stats->bytes_limit != (64 << 20)) {
+    return fail(5, "allocation through the hook was not served or not counted");
+  }
+  tsl::AllocationAttributes kernel;
+  kernel.allocation_will_be_logged = true;
+  void* big = a->AllocateRaw(256, 128u << 20, kernel);
+  a->DeallocateRaw(p);
+  if (big != nullptr) return fail(6, "a kernel's request over the budget was not refused");
+  std::snprintf(buf, n, "ok");
+  return 0;
+}
+
+namespace tfmg_tf {
+namespace {
 
 struct on_load {
   on_load() { register_with_tensorflow(); }

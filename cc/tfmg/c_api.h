@@ -212,6 +212,12 @@ TFMG_API uint64_t tfmg_pool_total_memory(tfmg_pool* pool);
  * of the core (the TensorFlow plugin and the Python module). Created on first use with
  * no budget (pass-through, counted) over host memory; never destroyed. */
 TFMG_API tfmg_status tfmg_device_pool(const char* device, tfmg_pool** out);
+/* Creates the process-wide pool of `device` with `options` (e.g. the CUDA upstream for
+ * "GPU:0"). INVALID_STATE if it exists already with another upstream; OK if it exists
+ * with the same one. */
+TFMG_API tfmg_status tfmg_device_pool_configure(const char* device, const tfmg_pool_options* options);
+/* The pool of `device` if it exists (created or configured before); INVALID_STATE if not. */
+TFMG_API tfmg_status tfmg_device_pool_find(const char* device, tfmg_pool** out);
 /* 1 for the first call with a given key in this process, 0 after: lets only the first
  * of several loaded copies of the plugin register with TensorFlow. */
 TFMG_API int tfmg_claim_once(const char* key);
@@ -227,6 +233,7 @@ TFMG_API int64_t tfmg_profile_batch(void);
 #define TFMG_PLUGIN_SERVING 4        /* TF created the allocator: tensors come from the pool */
 #define TFMG_PLUGIN_DISABLED 8       /* TF_MEMGUARD_DISABLE=1: did nothing */
 #define TFMG_PLUGIN_DUPLICATE 16     /* another copy registered first */
+#define TFMG_PLUGIN_GPU_HOOK 32      /* TF's GPUProcessState is tf_memguard's: GPU budgets work */
 TFMG_API void tfmg_plugin_set_state(int flags); /* ORs flags in */
 TFMG_API int tfmg_plugin_state(void);
 /* The path the plugin was loaded from ("" if none). */

@@ -14,7 +14,8 @@ namespace {
 
 struct registry {
   std::mutex mutex;
-  std::map<std::string, tfmg_pool*> pools;  // never destroyed: TF may free at exit
+  std::map<std::string, tfmg_pool*> pools;
+  std::map<std::string, int> upstreams;  // device -> tfmg_upstream_kind of its pool  // never destroyed: TF may free at exit
   std::set<std::string> claims;
   std::string plugin_path;
 };
@@ -51,7 +52,34 @@ tfmg_status tfmg_device_pool(const char* device, tfmg_pool** out) {
   const tfmg_status s = tfmg_pool_create(&o, &p);
   if (s != TFMG_OK) return s;
   r.pools.emplace(device, p);
+  r.upstreams[device] = static_cast<int>(o.upstream);
   *out = p;
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_device_pool_configure(const char* device, const tfmg_pool_options* options) {
+  if (device == nullptr || *device == '\0' || options == nullptr) return TFMG_ERROR_INVALID_ARGUMENT;
+  registry& r = get();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.pools.find(device);
+  if (it != r.pools.end()) {
+    return r.upstreams[device] == static_cast<int>(options->upstream) ? TFMG_OK : TFMG_ERROR_INVALID_STATE;
+  }
+  tfmg_pool* p = nullptr;
+  const tfmg_status s = tfmg_pool_create(options, &p);
+  if (s != TFMG_OK) return s;
+  r.pools.emplace(device, p);
+  r.upstreams[device] = static_cast<int>(options->upstream);
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_device_pool_find(const char* device, tfmg_pool** out) {
+  if (device == nullptr || out == nullptr) return TFMG_ERROR_INVALID_ARGUMENT;
+  registry& r = get();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.pools.find(device);
+  if (it == r.pools.end()) return TFMG_ERROR_INVALID_STATE;
+  *out = it->second;
   return TFMG_OK;
 }
 

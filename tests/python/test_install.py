@@ -35,11 +35,16 @@ def test_cpu_device_names_normalize(device):
     assert normalize_device(device) == "CPU:0"
 
 
-@pytest.mark.parametrize("device,match", [("GPU:0", "CUDA upstream"), ("CPU:1", "one CPU allocator"),
+@pytest.mark.parametrize("device,match", [("CPU:1", "one CPU allocator"),
                                           ("TPU:0", "unknown device type"), (3, "must be a string")])
 def test_unsupported_devices_say_what_to_use(device, match):
     with pytest.raises(ValueError, match=match):
         normalize_device(device)
+
+
+@pytest.mark.parametrize("device", ["GPU:0", "gpu:1", "/device:GPU:0", "cuda:0"])
+def test_gpu_device_names_normalize(device):
+    assert normalize_device(device) == f"GPU:{device[-1]}"
 
 
 def test_format_bytes_matches_the_core():
@@ -79,3 +84,29 @@ def test_install_reconfigures_and_reports_what_predates_the_budget():
     assert d["passthrough_after_free"] < d["predating"]   # freed correctly after install()
     assert d["config"].startswith("CPU:0: budget 64.0 MiB (67108864 bytes)")
     assert 0 < d["reserved"] <= 64 << 20
+
+
+@pytest.mark.tf
+def test_gpu_allocator_hook_serves_a_pool_on_the_cpu_wheel():
+    # The hook is TensorFlow's GPUProcessState, replaced by the plugin; a pool over host
+    # memory stands in for the device (tfmg_plugin_gpu_selftest in cc/tf/plugin.cc).
+    r = run("""
+        import ctypes, tensorflow as tf, tf_memguard
+        from tf_memguard import _core
+        lib = ctypes.CDLL(_core.plugin_path())
+        buf = ctypes.create_string_buffer(256)
+        rc = lib.tfmg_plugin_gpu_selftest(buf, 256)
+        try:
+            tf_memguard.install(max_bytes=0.5, device="GPU:0")
+            err = None
+        except RuntimeError as e:
+            err = str(e)
+        emit(rc=rc, msg=buf.value.decode(), hook=bool(_core.plugin_state() & _core.PLUGIN_GPU_HOOK), err=err,
+             cpu=float(tf.reduce_sum(tf.ones([4]))))
+    """)
+    assert r.returncode == 0, r
+    assert r.data["hook"] is True
+    assert r.data["rc"] == 0, r.data["msg"]
+    # The CPU wheel sees no GPU: install() says so instead of pretending.
+    assert r.data["err"] and "TensorFlow sees 0 GPU(s)" in r.data["err"]
+    assert r.data["cpu"] == 4.0
