@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <climits>
 #include <cstring>
 #include <optional>
 #include <map>
@@ -350,6 +351,16 @@ void register_with_tensorflow() {
   if (env_is_true("TF_MEMGUARD_DISABLE")) {
     g_api.set_state(TFMG_PLUGIN_DISABLED);
     return;
+  }
+  // TF_MEMGUARD_PLUGIN=<path>: of several installed copies, only that one registers.
+  if (const char* only = std::getenv("TF_MEMGUARD_PLUGIN")) {
+    char mine[4096], wanted[4096];
+    const std::string own = own_path();
+    if (realpath(own.c_str(), mine) == nullptr || realpath(only, wanted) == nullptr ||
+        std::strcmp(mine, wanted) != 0) {
+      g_api.set_state(TFMG_PLUGIN_DUPLICATE);
+      return;
+    }
   }
   // Two installed copies of the plugin would both register, and a second registration
   // with the same name and priority aborts the process: only the first one does.

@@ -1,0 +1,17 @@
+"""Offline stand-in for rules_java: Bazel 4.2.3's @bazel_tools loads these names; they are
+Bazel's native rules (nothing here builds Java)."""
+
+def java_binary(**kwargs):
+    native.java_binary(**kwargs)
+
+def java_import(**kwargs):
+    native.java_import(**kwargs)
+
+def java_library(**kwargs):
+    native.java_library(**kwargs)
+
+def java_runtime(**kwargs):
+    native.java_runtime(**kwargs)
+
+def java_toolchain(**kwargs):
+    native.java_toolchain(**kwargs)
