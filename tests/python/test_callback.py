@@ -73,7 +73,7 @@ def test_bad_arguments_say_which():
         import tf_memguard
         errors = []
         for kw in ({"warn_at": 0}, {"headroom": 1.5}, {"batch_size": -3}, {"verbose": "loud"},
-                   {"leak_epochs": -1}, {"device": "GPU:0"}):
+                   {"leak_epochs": -1}, {"device": "TPU:0"}):
             try:
                 tf_memguard.MemGuardCallback(**kw)
             except ValueError as e:
@@ -84,7 +84,7 @@ def test_bad_arguments_say_which():
     e = r.data["errors"]
     assert len(e) == 6
     assert e[0].startswith("warn_at=0:") and e[1].startswith("headroom=1.5:") and e[2].startswith("batch_size=-3:")
-    assert e[3].startswith("verbose='loud':") and e[4].startswith("leak_epochs=-1:") and "GPU" in e[5]
+    assert e[3].startswith("verbose='loud':") and e[4].startswith("leak_epochs=-1:") and "TPU" in e[5]
 
 
 OOM_RUN = None
