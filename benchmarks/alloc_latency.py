@@ -27,8 +27,8 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 # Pool layouts compared for fragmentation (what was tried; the default is first).
 VARIANTS = {
-    "default": dict(),
-    "up_front": dict(region_bytes=2**64 - 1),
+    "default": dict(),  # the whole budget as one region, small/large split at 1 MiB
+    "lazy_regions": dict(region_bytes=2 << 20),
     "no_split_by_size": dict(small_threshold=1),  # every request placed as "large"
     "small_below_64k": dict(small_threshold=64 * 1024),
     "small_below_8m": dict(small_threshold=8 * 1024 * 1024),
