@@ -75,7 +75,7 @@ def test_numpy_conversion_over_budget_is_granted_as_overshoot():
 def test_tf_data_pipeline_over_budget_raises_and_process_survives():
     r = run("""
         import numpy as np, tensorflow as tf, tf_memguard
-        tf_memguard.install(max_bytes="24MiB")
+        tf_memguard.install(max_bytes="34MiB")
         ds = tf.data.Dataset.range(4).map(lambda i: tf.fill([8, 1024, 1024], tf.cast(i, tf.float32)))
         try:
             for b in ds.batch(4):
@@ -170,7 +170,11 @@ def test_failed_fit_loses_nothing_and_a_smaller_batch_then_fits():
         m = make_model()
         m.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)   # build and warm up
         gc.collect()
-        tf_memguard.install(max_bytes="40MiB")
+        # Small enough that the first convolution's output (29.5 MB at 512, beside the
+        # 6.3 MB data copy) is refused: TensorFlow runs a step's ops in parallel, and a
+        # refusal late in the step can come after the optimizer updated some weights.
+        # Large enough for batch 16, whose Conv2DBackpropFilter alone takes 19.5 MB.
+        tf_memguard.install(max_bytes="34MiB")
         before = tf_memguard.stats()["bytes_in_use"]
         weights = [w.copy() for w in m.get_weights()]
         try:
@@ -193,4 +197,4 @@ def test_failed_fit_loses_nothing_and_a_smaller_batch_then_fits():
     # few small tensors Keras keeps, such as its step counter).
     assert abs(d["after"] - d["before"]) <= 64 * 1024, d
     assert d["retry_loss"] == d["retry_loss"]  # a number, not NaN
-    assert d["peak_reserved"] <= 40 << 20
+    assert d["peak_reserved"] <= 34 << 20
