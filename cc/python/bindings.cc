@@ -124,6 +124,13 @@ py::dict refusal_dict(const tfmg_refusal& r) {
   return d;
 }
 
+tfmg_upstream_kind parse_upstream(const std::string& upstream) {
+  if (upstream == "host") return TFMG_UPSTREAM_HOST;
+  if (upstream == "cuda") return TFMG_UPSTREAM_CUDA;
+  if (upstream == "cuda_managed") return TFMG_UPSTREAM_CUDA_MANAGED;
+  throw py::value_error("upstream='" + upstream + "': must be 'host', 'cuda' or 'cuda_managed'");
+}
+
 // Owns a tfmg_pool created by this module.
 class Pool {
  public:
@@ -132,15 +139,7 @@ class Pool {
        int device) {
     tfmg_pool_options o;
     tfmg_pool_options_init(&o);
-    if (upstream == "host") {
-      o.upstream = TFMG_UPSTREAM_HOST;
-    } else if (upstream == "cuda") {
-      o.upstream = TFMG_UPSTREAM_CUDA;
-    } else if (upstream == "cuda_managed") {
-      o.upstream = TFMG_UPSTREAM_CUDA_MANAGED;
-    } else {
-      throw py::value_error("upstream='" + upstream + "': must be 'host', 'cuda' or 'cuda_managed'");
-    }
+    o.upstream = parse_upstream(upstream);
     o.device = device;
     o.max_bytes = to_u64(max_bytes, "max_bytes", false);
     o.alignment = to_u64(alignment, "alignment", false);
@@ -392,13 +391,7 @@ PYBIND11_MODULE(_core, m) {
       [](const std::string& device, const std::string& upstream, int index) {
         tfmg_pool_options o;
         tfmg_pool_options_init(&o);
-        if (upstream == "cuda") {
-          o.upstream = TFMG_UPSTREAM_CUDA;
-        } else if (upstream == "cuda_managed") {
-          o.upstream = TFMG_UPSTREAM_CUDA_MANAGED;
-        } else if (upstream != "host") {
-          throw py::value_error("upstream='" + upstream + "': must be 'host', 'cuda' or 'cuda_managed'");
-        }
+        o.upstream = parse_upstream(upstream);
         o.device = index;
         call([&] { return tfmg_device_pool_configure(device.c_str(), &o); });
         tfmg_pool* p = nullptr;
