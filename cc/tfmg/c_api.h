@@ -59,7 +59,11 @@ typedef enum tfmg_status {
 typedef enum tfmg_upstream_kind {
   TFMG_UPSTREAM_HOST = 0,        /* page-aligned host memory (mmap for regions) */
   TFMG_UPSTREAM_CUDA = 1,        /* CUDA device memory (cuMemAlloc), driver loaded at run time */
-  TFMG_UPSTREAM_CUDA_MANAGED = 2 /* CUDA managed memory, prefetched to the device */
+  TFMG_UPSTREAM_CUDA_MANAGED = 2, /* CUDA managed memory, prefetched to the device */
+  /* Host memory backed on demand (64 KiB granules made accessible as blocks are handed
+   * out): bytes_reserved counts the memory touched. CUDA regions are backed on demand
+   * too where the device has virtual memory management (TF_MEMGUARD_CUDA_VMM=0: not). */
+  TFMG_UPSTREAM_HOST_ON_DEMAND = 3
 } tfmg_upstream_kind;
 
 typedef struct tfmg_pool_options {

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <string>
 
+#include "cc/tfmg/backing.h"
 #include "cc/tfmg/upstream.h"
 
 namespace tfmg {
@@ -56,7 +57,10 @@ class host_upstream final : public upstream {
     }
   }
 
-  void discard(void* p, std::size_t bytes) override { madvise(p, bytes, MADV_DONTNEED); }
+  std::size_t discard(void* p, std::size_t bytes) override {
+    madvise(p, bytes, MADV_DONTNEED);
+    return 0;  // the region stays reserved; only its pages go
+  }
 
   std::size_t default_alignment() const override { return 64; }  // EIGEN_MAX_ALIGN_BYTES
   std::size_t page_size() const override { return page_; }
@@ -73,8 +77,68 @@ class host_upstream final : public upstream {
   std::size_t page_;
 };
 
+// Host memory backed on demand: a region is address space with no access (PROT_NONE);
+// granules of 64 KiB become readable and writable (mprotect) when the pool hands out a
+// block there, and go back (madvise + PROT_NONE) on release_unused(). bytes_reserved
+// then follows the memory the run touched, and a block handed out without backing
+// faults at once: the same bookkeeping as CUDA virtual memory, checkable on any host.
+class host_on_demand_upstream final : public upstream {
+ public:
+  static constexpr std::size_t kGranule = 64u << 10;
+
+  host_on_demand_upstream() : backing_(kGranule) {}
+
+  void* allocate(std::size_t bytes, std::size_t alignment, bool region) override {
+    if (!region || alignment > kGranule) return plain_.allocate(bytes, alignment, region);
+    const std::size_t size = ((bytes == 0 ? 1 : bytes) + kGranule - 1) / kGranule * kGranule;
+    void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return nullptr;
+    backing_.add_region(reinterpret_cast<std::uintptr_t>(p), size);
+    return p;
+  }
+
+  void deallocate(void* p, std::size_t bytes, std::size_t alignment, bool region) override {
+    const auto base = reinterpret_cast<std::uintptr_t>(p);
+    if (!region || !backing_.has_region(base)) return plain_.deallocate(p, bytes, alignment, region);
+    backing_.remove_region(base, [](std::uintptr_t, backing_map::handle) {});
+    munmap(p, ((bytes == 0 ? 1 : bytes) + kGranule - 1) / kGranule * kGranule);
+  }
+
+  bool backs_on_demand() const override { return true; }
+
+  bool back(void* p, std::size_t bytes, std::size_t* added) override {
+    return backing_.back(
+        reinterpret_cast<std::uintptr_t>(p), bytes, [](std::uintptr_t) -> backing_map::handle { return 1; },
+        [](std::uintptr_t at, std::size_t n) {
+          return mprotect(reinterpret_cast<void*>(at), n, PROT_READ | PROT_WRITE) == 0;
+        },
+        [](std::uintptr_t, backing_map::handle) {}, added);
+  }
+
+  std::size_t discard(void* p, std::size_t bytes) override {
+    return backing_.discard(
+        reinterpret_cast<std::uintptr_t>(p), bytes, [] {},
+        [](std::uintptr_t at, backing_map::handle) {
+          madvise(reinterpret_cast<void*>(at), kGranule, MADV_DONTNEED);
+          mprotect(reinterpret_cast<void*>(at), kGranule, PROT_NONE);
+        });
+  }
+
+  std::size_t default_alignment() const override { return plain_.default_alignment(); }
+  std::size_t page_size() const override { return kGranule; }
+  std::size_t total_memory() const override { return plain_.total_memory(); }
+  const char* name() const override { return "host (backed on demand)"; }
+
+ private:
+  host_upstream plain_;
+  backing_map backing_;
+};
+
 }  // namespace
 
 std::unique_ptr<upstream> make_host_upstream() { return std::make_unique<host_upstream>(); }
+std::unique_ptr<upstream> make_host_on_demand_upstream() {
+  return std::make_unique<host_on_demand_upstream>();
+}
 
 }  // namespace tfmg

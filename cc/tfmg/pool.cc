@@ -46,6 +46,7 @@ pool::pool(std::unique_ptr<upstream> up, const pool_config& config)
               node_allocator<std::pair<const std::uintptr_t, direct_block>>(&arena_)),
       next_region_bytes_(config.region_bytes),
       limit_(config.max_bytes),
+      backs_(upstream_->backs_on_demand()),
       trace_(config.trace_capacity) {
   assert(is_pow2(granule_));
   bins_.reserve(kBins);
@@ -125,6 +126,24 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
     return nullptr;
   }
   b = carve_locked(b, size, alignment, small);
+  if (backs_) {
+    std::size_t added = 0;
+    const bool backed = upstream_->back(reinterpret_cast<void*>(b->addr), b->size, &added);
+    backed_ += added;  // a failure can leave earlier granules of the range backed
+    note_held_locked();
+    if (!backed) {
+      // The device itself is out of memory (another process holds it): the block goes
+      // back, and the request is refused like one over the budget.
+      free_block_locked(b);
+      if (flags & TFMG_ALLOC_MUST_SUCCEED) {
+        return allocate_direct_locked(size, alignment, true, flags, error);
+      }
+      refuse_locked(bytes, alignment, flags, error);
+      error->message += " (the budget has room, but the device has no free memory to back it: "
+                        "another process may be using it)";
+      return nullptr;
+    }
+  }
   b->batch = (flags & TFMG_ALLOC_BATCH) != 0;
   live_.insert(b->addr, b);
   pooled_in_use_ += b->size;
@@ -293,7 +312,7 @@ bool pool::grow_locked(std::size_t size, std::size_t alignment) {
   insert_free_locked(b);
   regions_.push_back(std::move(r));
   reserved_ += want;
-  peak_reserved_ = std::max(peak_reserved_, reserved_);
+  note_held_locked();
   if (next_region_bytes_ <= (std::numeric_limits<std::size_t>::max() >> 1)) next_region_bytes_ *= 2;
   return true;
 }
@@ -357,7 +376,7 @@ void pool::refuse_locked(std::size_t bytes, std::size_t alignment, unsigned flag
   last_refusal_.alignment = static_cast<std::int64_t>(alignment);
   last_refusal_.bytes_in_use =
       static_cast<std::int64_t>(pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_);
-  last_refusal_.bytes_reserved = static_cast<std::int64_t>(reserved_);
+  last_refusal_.bytes_reserved = static_cast<std::int64_t>(held_locked());
   last_refusal_.largest_free_block_bytes = static_cast<std::int64_t>(largest_free_locked());
   last_refusal_.largest_allocatable_bytes = static_cast<std::int64_t>(largest_allocatable_locked());
   last_refusal_.bytes_limit = static_cast<std::int64_t>(limit_);
@@ -514,7 +533,7 @@ std::size_t pool::release_unused() {
       if (!b->free) continue;
       const std::uintptr_t lo = round_up(b->addr, page);
       const std::uintptr_t hi = round_down(b->addr + b->size, page);
-      if (hi > lo) upstream_->discard(reinterpret_cast<void*>(lo), hi - lo);
+      if (hi > lo) backed_ -= upstream_->discard(reinterpret_cast<void*>(lo), hi - lo);
     }
   }
   return released;
@@ -528,6 +547,7 @@ std::size_t pool::release_unused_locked() {
     if (r->first->free && r->first->next == nullptr) {
       erase_free_locked(r->first);
       recycle_block_locked(r->first);
+      if (backs_) backed_ -= upstream_->discard(reinterpret_cast<void*>(r->base), r->size);
       upstream_->deallocate(reinterpret_cast<void*>(r->base), r->size, upstream_->page_size(), true);
       reserved_ -= r->size;
       released += r->size;
@@ -556,7 +576,7 @@ void pool::release_all() {
   std::fill(std::begin(bin_bits_), std::end(bin_bits_), 0);
   spare_blocks_.clear();
   block_chunks_.clear();
-  reserved_ = pooled_in_use_ = passthrough_in_use_ = overshoot_in_use_ = batch_in_use_ = 0;
+  reserved_ = backed_ = pooled_in_use_ = passthrough_in_use_ = overshoot_in_use_ = batch_in_use_ = 0;
 }
 
 std::size_t pool::in_use_blocks() const {
@@ -586,13 +606,13 @@ void pool::fill_stats_locked(tfmg_stats* s) const {
   s->peak_bytes_in_use = static_cast<std::int64_t>(peak_in_use_);
   s->largest_alloc_size = static_cast<std::int64_t>(largest_alloc_);
   s->bytes_limit = static_cast<std::int64_t>(limit_);
-  s->bytes_reserved = static_cast<std::int64_t>(reserved_);
+  s->bytes_reserved = static_cast<std::int64_t>(held_locked());
   s->peak_bytes_reserved = static_cast<std::int64_t>(peak_reserved_);
   s->largest_free_block_bytes = static_cast<std::int64_t>(largest_free_locked());
   s->num_frees = num_frees_;
   s->num_refusals = num_refusals_;
   s->window_peak_bytes_in_use = static_cast<std::int64_t>(window_peak_);
-  s->bytes_free = static_cast<std::int64_t>(reserved_ - pooled_in_use_);
+  s->bytes_free = static_cast<std::int64_t>(reserved_ - pooled_in_use_);  // address space where backs_
   s->largest_allocatable_bytes = static_cast<std::int64_t>(largest_allocatable_locked());
   s->num_regions = static_cast<std::int64_t>(regions_.size());
   s->passthrough_bytes_in_use = static_cast<std::int64_t>(passthrough_in_use_);
@@ -664,7 +684,7 @@ std::string pool::state_locked() const {
 std::string pool::describe() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return state_locked() + "; " + std::to_string(regions_.size()) + " region(s), " +
-         format_bytes(reserved_) + " reserved, " + std::to_string(live_.size() + direct_.size()) +
+         format_bytes(held_locked()) + " reserved, " + std::to_string(live_.size() + direct_.size()) +
          " block(s) in use";
 }
 
@@ -681,6 +701,8 @@ void pool::trace_clear() {
 
 // ---------------------------------------------------------------------------------
 // Block objects
+
+void pool::note_held_locked() { peak_reserved_ = std::max(peak_reserved_, held_locked()); }
 
 pool::block* pool::new_block_locked() {
   if (spare_blocks_.empty()) {
@@ -763,7 +785,10 @@ bool pool::is_valid(std::string* why) const {
   }
   const std::size_t in_use = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
   if (peak_in_use_ < in_use || window_peak_ < in_use) return fail("a peak is below the current use");
-  if (peak_reserved_ < reserved_) return fail("peak reserved is below the current reservation");
+  if (peak_reserved_ < held_locked()) return fail("peak reserved is below the current reservation");
+  if (backs_ && (backed_ < used || backed_ > reserved_ || backed_ % upstream_->page_size() != 0)) {
+    return fail("bytes backed do not cover the blocks in use, or exceed the regions");
+  }
   return true;
 }
 

@@ -28,6 +28,12 @@
 // budget is spent, empty regions go back first so one larger region can replace them.
 // release_unused() returns empty regions, and the pages of free blocks, on demand.
 //
+// Backing on demand. Where the upstream maps physical memory lazily (CUDA virtual
+// memory: see upstream::backs_on_demand), the region is address space, and the pages
+// under a block are mapped when the block is handed out; they stay mapped until
+// release_unused(). bytes_reserved then counts the bytes backed (what the device
+// gives up), never more than the budget.
+//
 // Cost. Best fit is one lookup in a size-ordered tree of free blocks, a free is one
 // hash lookup plus O(1) neighbour checks through the blocks' address links: O(log n)
 // per call in the number of free blocks, with no scan of a block list.
@@ -174,6 +180,9 @@ class pool {
   std::string state_locked() const;
   block* new_block_locked();
   void recycle_block_locked(block* b);
+  // bytes_reserved as reported: bytes backed where the upstream backs on demand.
+  std::size_t held_locked() const { return backs_ ? backed_ : reserved_; }
+  void note_held_locked();
   void describe_pointer_error_locked(std::uintptr_t p, pool_error* error) const;
 
   std::unique_ptr<upstream> upstream_;
@@ -197,7 +206,9 @@ class pool {
   std::size_t pooled_in_use_ = 0;
   std::size_t passthrough_in_use_ = 0;
   std::size_t overshoot_in_use_ = 0;
-  std::size_t reserved_ = 0;
+  std::size_t reserved_ = 0;  // bytes of regions (address space where backs_)
+  const bool backs_;          // the upstream backs regions on demand
+  std::size_t backed_ = 0;    // bytes backed by physical memory, where backs_
 
   std::int64_t num_allocs_ = 0;
   std::int64_t num_frees_ = 0;

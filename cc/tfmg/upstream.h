@@ -28,8 +28,24 @@ class upstream {
   virtual void deallocate(void* p, std::size_t bytes, std::size_t alignment, bool region) = 0;
 
   // Gives back the physical memory of a page-aligned range inside a region, which
-  // stays reserved (host: madvise(MADV_DONTNEED)). Optional.
-  virtual void discard(void* p, std::size_t bytes) { (void)p; (void)bytes; }
+  // stays reserved (host: madvise(MADV_DONTNEED)). Optional. Returns the bytes that
+  // stop being backed, for upstreams that back on demand (0 otherwise).
+  virtual std::size_t discard(void* p, std::size_t bytes) { (void)p; (void)bytes; return 0; }
+
+  // Backing on demand (CUDA virtual memory): a region is address space only, and
+  // physical memory is mapped under a range when the pool hands out a block there.
+  // Then the pool reports the bytes backed as bytes_reserved, so that a budget of half
+  // a GPU costs the device only what the run has needed.
+  virtual bool backs_on_demand() const { return false; }
+  // Maps physical memory under every page of [p, p + bytes) that has none (p inside a
+  // region); *added receives the bytes newly backed. False when the device has no
+  // memory left for it (nothing then changes).
+  virtual bool back(void* p, std::size_t bytes, std::size_t* added) {
+    (void)p;
+    (void)bytes;
+    *added = 0;
+    return true;
+  }
 
   // The alignment every block gets unless the request asks for more.
   virtual std::size_t default_alignment() const = 0;
@@ -42,6 +58,8 @@ class upstream {
 
 // Host memory: mmap for regions, aligned malloc for single blocks.
 std::unique_ptr<upstream> make_host_upstream();
+// Host memory backed on demand in 64 KiB granules (mprotect): see host_upstream.cc.
+std::unique_ptr<upstream> make_host_on_demand_upstream();
 
 // CUDA memory of `device` through the driver API, loaded at run time; `managed`:
 // cuMemAllocManaged, prefetched to the device. Null with *error when there is no

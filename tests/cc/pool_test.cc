@@ -371,6 +371,65 @@ void test_window_peak_remembers_its_batch_split() {
   tfmg_pool_destroy(p, 0);
 }
 
+// Host memory backed on demand: every byte of every block handed out is written (an
+// unbacked granule would fault), bytes_reserved follows the granules touched and never
+// passes the budget, and release_unused() gives back all but what live blocks need.
+void test_backing_on_demand_maps_what_blocks_need_and_gives_it_back() {
+  constexpr int64_t kGranule = 64 << 10;
+  tfmg_pool_options o;
+  tfmg_pool_options_init(&o);
+  o.max_bytes = 256 * MiB;
+  o.upstream = TFMG_UPSTREAM_HOST_ON_DEMAND;
+  tfmg_pool* p = nullptr;
+  CHECK_OK(tfmg_pool_create(&o, &p));
+  void* small = alloc(p, 1000);
+  CHECK(small != nullptr);
+  std::memset(small, 1, 1000);
+  CHECK(stats(p).bytes_reserved == kGranule);  // one granule, not the 256 MiB region
+  std::mt19937_64 rng(11);
+  std::vector<std::pair<void*, uint64_t>> live;
+  int64_t peak_in_use = 0;
+  for (int i = 0; i < 4000; ++i) {
+    if (live.empty() || rng() % 100 < 55) {
+      uint64_t n = uint64_t{256} << (rng() % 12);
+      n += rng() % n;
+      void* x = alloc(p, n);
+      CHECK(x != nullptr);
+      if (x != nullptr) {
+        std::memset(x, 0x5a, n);
+        live.emplace_back(x, n);
+      }
+    } else {
+      size_t k = rng() % live.size();
+      CHECK_OK(tfmg_pool_deallocate(p, live[k].first, nullptr));
+      live[k] = live.back();
+      live.pop_back();
+    }
+    tfmg_stats s = stats(p);
+    peak_in_use = std::max(peak_in_use, s.bytes_in_use);
+    CHECK(s.bytes_reserved >= s.bytes_in_use);
+    CHECK(s.bytes_reserved <= static_cast<int64_t>(o.max_bytes) && s.bytes_reserved % kGranule == 0);
+    if (i % 500 == 0) {
+      CHECK(valid(p));
+      tfmg_pool_release_unused(p, nullptr);
+      CHECK(valid(p));
+      for (auto& x : live) std::memset(x.first, 0x33, x.second);  // still backed
+    }
+  }
+  // Backed memory follows use (a few granules of slack), far below the budget.
+  CHECK(stats(p).peak_bytes_reserved >= peak_in_use);
+  CHECK(stats(p).peak_bytes_reserved < peak_in_use + peak_in_use / 4 + 16 * kGranule);
+  CHECK(stats(p).peak_bytes_reserved < static_cast<int64_t>(o.max_bytes) / 4);
+  for (auto& x : live) CHECK_OK(tfmg_pool_deallocate(p, x.first, nullptr));
+  tfmg_pool_release_unused(p, nullptr);
+  CHECK(stats(p).bytes_reserved == kGranule);  // the small block's granule stays
+  CHECK_OK(tfmg_pool_deallocate(p, small, nullptr));
+  tfmg_pool_release_unused(p, nullptr);
+  CHECK(stats(p).bytes_reserved == 0);
+  CHECK(valid(p));
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
 }  // namespace
 
 int main() {
@@ -393,6 +452,8 @@ int main() {
       {"random_operations_keep_every_invariant", test_random_operations_keep_every_invariant},
       {"many_threads_keep_the_pool_valid", test_many_threads_keep_the_pool_valid},
       {"window_peak_remembers_its_batch_split", test_window_peak_remembers_its_batch_split},
+      {"backing_on_demand_maps_what_blocks_need_and_gives_it_back",
+       test_backing_on_demand_maps_what_blocks_need_and_gives_it_back},
   };
   int passed = 0, failed = 0;
   for (const test& t : tests) {

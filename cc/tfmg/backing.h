@@ -1,0 +1,121 @@
+// Which granules of an upstream's regions have physical memory under them, for
+// upstreams that back regions on demand (upstream::backs_on_demand): CUDA virtual
+// memory, and host memory reserved PROT_NONE. The upstream supplies how one granule is
+// mapped and unmapped; this keeps the per-region records and walks the ranges.
+#ifndef TFMG_BACKING_H_
+#define TFMG_BACKING_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <vector>
+
+namespace tfmg {
+
+class backing_map {
+ public:
+  using handle = std::uint64_t;  // what mapping a granule returned; 0: not backed
+
+  explicit backing_map(std::size_t granule) : granule_(granule) {}
+
+  std::size_t granule() const { return granule_; }
+
+  void add_region(std::uintptr_t base, std::size_t size) {
+    regions_[base] = std::vector<handle>(size / granule_, 0);
+  }
+
+  // Unmaps what is backed in the region at base and forgets it.
+  template <class Unmap>
+  void remove_region(std::uintptr_t base, Unmap unmap) {
+    auto it = regions_.find(base);
+    if (it == regions_.end()) return;
+    release(it, 0, it->second.size(), unmap);
+    regions_.erase(it);
+  }
+
+  bool has_region(std::uintptr_t base) const { return regions_.count(base) != 0; }
+
+  // Backs every granule of [p, p + bytes) that is not. map(addr) returns a handle (0 on
+  // failure); open(addr, bytes) runs once per run of newly mapped granules (false on
+  // failure, and the run is unmapped again). *added: bytes newly backed, also on failure
+  // (runs before the failing one stay backed).
+  template <class Map, class Open, class Unmap>
+  bool back(std::uintptr_t p, std::size_t bytes, Map map, Open open, Unmap unmap, std::size_t* added) {
+    *added = 0;
+    if (bytes == 0) return true;
+    auto it = find(p);
+    if (it == regions_.end()) return false;
+    std::vector<handle>& h = it->second;
+    const std::uintptr_t base = it->first;
+    const std::size_t last = (p + bytes - 1 - base) / granule_;
+    for (std::size_t g = (p - base) / granule_; g <= last;) {
+      if (h[g] != 0) {
+        ++g;
+        continue;
+      }
+      std::size_t end = g;
+      while (end <= last && h[end] == 0) ++end;
+      for (std::size_t k = g; k < end; ++k) {
+        h[k] = map(base + k * granule_);
+        if (h[k] == 0) {
+          release(it, g, k, unmap);
+          return false;
+        }
+      }
+      if (!open(base + g * granule_, (end - g) * granule_)) {
+        release(it, g, end, unmap);
+        return false;
+      }
+      *added += (end - g) * granule_;
+      g = end;
+    }
+    return true;
+  }
+
+  // Unmaps the granules wholly inside [p, p + bytes); returns the bytes unmapped.
+  // before() runs once, before the first granule is unmapped.
+  template <class Before, class Unmap>
+  std::size_t discard(std::uintptr_t p, std::size_t bytes, Before before, Unmap unmap) {
+    auto it = find(p);
+    if (it == regions_.end() || bytes == 0) return 0;
+    const std::uintptr_t base = it->first;
+    const std::size_t first = (p - base + granule_ - 1) / granule_;
+    std::size_t end = (p + bytes - base) / granule_;
+    if (end > it->second.size()) end = it->second.size();
+    bool any = false;
+    for (std::size_t k = first; k < end && !any; ++k) any = it->second[k] != 0;
+    if (!any) return 0;
+    before();
+    return release(it, first, end, unmap);
+  }
+
+ private:
+  using region_map = std::map<std::uintptr_t, std::vector<handle>>;
+
+  region_map::iterator find(std::uintptr_t p) {
+    auto it = regions_.upper_bound(p);
+    if (it == regions_.begin()) return regions_.end();
+    --it;
+    return p < it->first + it->second.size() * granule_ ? it : regions_.end();
+  }
+
+  template <class Unmap>
+  std::size_t release(region_map::iterator it, std::size_t from, std::size_t to, Unmap unmap) {
+    std::size_t gone = 0;
+    for (std::size_t k = from; k < to; ++k) {
+      handle& h = it->second[k];
+      if (h == 0) continue;
+      unmap(it->first + k * granule_, h);
+      h = 0;
+      gone += granule_;
+    }
+    return gone;
+  }
+
+  std::size_t granule_;
+  region_map regions_;
+};
+
+}  // namespace tfmg
+
+#endif  // TFMG_BACKING_H_
