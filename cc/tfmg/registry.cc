@@ -32,6 +32,14 @@ std::atomic<int64_t> profile_batch{0};
 
 }  // namespace
 
+// Layout and tracing knobs for experiments and benchmarks (see benchmarks/NOTES.md),
+// applied to every process-wide pool.
+static void apply_environment(tfmg_pool_options* o) {
+  if (const char* v = std::getenv("TF_MEMGUARD_SMALL_THRESHOLD")) o->small_threshold = std::strtoull(v, nullptr, 10);
+  if (const char* v = std::getenv("TF_MEMGUARD_REGION_BYTES")) o->region_bytes = std::strtoull(v, nullptr, 10);
+  if (const char* v = std::getenv("TF_MEMGUARD_TRACE_CAPACITY")) o->trace_capacity = std::strtoull(v, nullptr, 10);
+}
+
 extern "C" {
 
 tfmg_status tfmg_device_pool(const char* device, tfmg_pool** out) {
@@ -45,9 +53,7 @@ tfmg_status tfmg_device_pool(const char* device, tfmg_pool** out) {
   }
   tfmg_pool_options o;
   tfmg_pool_options_init(&o);
-  // Layout knobs for experiments and benchmarks (see benchmarks/NOTES.md).
-  if (const char* v = std::getenv("TF_MEMGUARD_SMALL_THRESHOLD")) o.small_threshold = std::strtoull(v, nullptr, 10);
-  if (const char* v = std::getenv("TF_MEMGUARD_REGION_BYTES")) o.region_bytes = std::strtoull(v, nullptr, 10);
+  apply_environment(&o);
   tfmg_pool* p = nullptr;
   const tfmg_status s = tfmg_pool_create(&o, &p);
   if (s != TFMG_OK) return s;
@@ -65,8 +71,10 @@ tfmg_status tfmg_device_pool_configure(const char* device, const tfmg_pool_optio
   if (it != r.pools.end()) {
     return r.upstreams[device] == static_cast<int>(options->upstream) ? TFMG_OK : TFMG_ERROR_INVALID_STATE;
   }
+  tfmg_pool_options o = *options;
+  apply_environment(&o);
   tfmg_pool* p = nullptr;
-  const tfmg_status s = tfmg_pool_create(options, &p);
+  const tfmg_status s = tfmg_pool_create(&o, &p);
   if (s != TFMG_OK) return s;
   r.pools.emplace(device, p);
   r.upstreams[device] = static_cast<int>(options->upstream);
