@@ -4,6 +4,10 @@
   plain C interface, so that every user in a process shares one copy and one pool per
   device.
 * ``tf_memguard/_core*.so``: the pybind11 bindings, linked to the core (rpath $ORIGIN).
+* ``tf_memguard/libtfmg_torch.so``: the PyTorch glue (cc/torch), the two functions
+  torch.cuda.memory.CUDAPluggableAllocator calls, linked to the core. Built against the
+  PyTorch of the target environment (its headers and libc10, for torch's
+  out-of-memory error) when there is one, else skipped: PyTorch is not a dependency.
 * ``tensorflow-plugins/libtf_memguard_plugin.so``: the TensorFlow glue (cc/tf), which
   ``import tensorflow`` loads from site-packages; it dlopen()s the core at load time and
   does not link it. Built against the TensorFlow of the environment being installed
@@ -54,6 +58,23 @@ def tensorflow_build_flags():
     return version, cflags, lflags
 
 
+TORCH_GLUE = "tf_memguard.libtfmg_torch"
+
+
+def torch_build_flags():
+    """Version, include dirs, library dir and C++ ABI flag of the target environment's
+    PyTorch, or None."""
+    probe = ("import json, os, torch; from torch.utils import cpp_extension as c; "
+             "print(json.dumps([torch.__version__, c.include_paths(), "
+             "os.path.join(os.path.dirname(torch.__file__), 'lib'), int(torch._C._GLIBCXX_USE_CXX11_ABI)]))")
+    try:
+        out = subprocess.run([sys.executable, "-I", "-c", probe], check=True, capture_output=True,
+                             text=True, timeout=300).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+        return None
+
+
 class BuildExt(build_ext):
     def get_ext_filename(self, fullname):
         ext = self.ext_map.get(fullname)
@@ -75,7 +96,7 @@ class BuildExt(build_ext):
                 # when it is not beside it in site-packages.
                 core = os.path.join(HERE, "tf_memguard", "libtfmg_core.so")
                 ext.define_macros = ext.define_macros + [("TFMG_CORE_FALLBACK_PATH", '"%s"' % core)]
-        if ext.name == "tf_memguard._core":
+        if ext.name in ("tf_memguard._core", TORCH_GLUE):
             core_dir = os.path.dirname(self.get_ext_fullpath("tf_memguard.libtfmg_core"))
             ext.extra_link_args = ext.extra_link_args + [
                 "-L" + core_dir, "-l:libtfmg_core.so", "-Wl,-rpath,$ORIGIN"]
@@ -130,6 +151,24 @@ else:
         # TensorFlow's flags last: they set the C++ standard and ABI it was built with.
         extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall"] + tf_cflags,
         extra_link_args=tf_lflags + ["-ldl"],
+    ))
+
+torch = torch_build_flags()
+if torch is None:
+    print("tf_memguard: no PyTorch found for %s; building without the PyTorch glue (Keras' torch "
+          "backend needs it: install torch first, then reinstall tf_memguard)" % sys.executable,
+          file=sys.stderr)
+else:
+    torch_version, torch_includes, torch_lib, torch_abi = torch
+    print("tf_memguard: building the PyTorch glue against PyTorch %s" % torch_version)
+    ext_modules.append(PlainSharedLibrary(
+        TORCH_GLUE,
+        sources=["cc/torch/allocator.cc"],
+        include_dirs=[HERE] + torch_includes,
+        language="c++",
+        define_macros=[("_GLIBCXX_USE_CXX11_ABI", str(torch_abi))],
+        extra_compile_args=CXXFLAGS,
+        extra_link_args=["-L" + torch_lib, "-lc10", "-Wl,-rpath," + torch_lib, "-ldl"],
     ))
 
 setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExt})
