@@ -16,7 +16,7 @@ the rest (the plugin tags them while profiling).
 import dataclasses
 import gc
 
-from tf_memguard import _core
+from tf_memguard import _backend, _core
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,8 +174,7 @@ def trial_step(model, x, y, batch_size, pool, hold=()):
     fragmentation. Returns a Point; fits=False when the pool refused a request (or a
     oneDNN kernel had to be granted over the budget). The caller restores the model.
     """
-    import tensorflow as tf
-
+    oom_errors = _backend.oom_errors()
     gc.collect()
     before = pool.stats()
     held = []
@@ -191,7 +190,7 @@ def trial_step(model, x, y, batch_size, pool, hold=()):
         _core.set_profile_batch(batch_size)
         try:
             model.train_on_batch(_slice(x, batch_size), _slice(y, batch_size))
-        except tf.errors.ResourceExhaustedError:
+        except oom_errors:
             fits = False
         finally:
             _core.set_profile_batch(0)
@@ -272,21 +271,26 @@ def search(model, x, y, budget, pool, points=(), trials=4, start=None, hold=None
                       target_bytes=budget, method="trial steps", measured=best > 0), points
 
 
-def fit_holds(x, y=None, prefetched=2):
-    """What fit() keeps in the pool beside a step, for arrays x and y: a copy of every
-    array (Keras turns them into one tensor each), and a few batches prepared ahead by
-    tf.data (fit() peaks measured 1-4 batches above a lone step plus the copy on
-    TF 2.21). Returns hold(batch_size): one block, the copy being one long-lived
-    tensor that the step's tensors are placed around."""
+def fit_holds(x, y=None, prefetched=2, framework="tensorflow"):
+    """What fit() keeps in the pool beside a step, for arrays x and y.
+
+    TensorFlow: a copy of every array (Keras turns them into one tensor each), and a few
+    batches prepared ahead by tf.data (fit() peaks measured 1-4 batches above a lone
+    step plus the copy on TF 2.21). PyTorch: the arrays stay in host memory and each
+    batch is moved to the GPU in its step, so only the batch being moved. Returns
+    hold(batch_size): one block, the copy being one long-lived tensor that the step's
+    tensors are placed around."""
     import keras
     arrays = [a for part in (x, y) if part is not None for a in keras.tree.flatten(part)
               if hasattr(a, "nbytes") and hasattr(a, "shape") and len(a.shape) > 0]
-    copies = [int(a.nbytes) for a in arrays]
     per_sample = sum(int(a.nbytes) // max(int(a.shape[0]), 1) for a in arrays)
+    if framework == "torch":
+        return lambda batch_size: [per_sample * batch_size]
+    copies = [int(a.nbytes) for a in arrays]
     return lambda batch_size: [sum(copies) + per_sample * batch_size * prefetched]
 
 
-def find_batch_size(model, x, y=None, max_bytes=None, device="CPU:0", trials=4, start=None, margin=0.05):
+def find_batch_size(model, x, y=None, max_bytes=None, device=None, trials=4, start=None, margin=0.05):
     """The largest batch size whose training step fits the budget, in at most `trials` steps.
 
     Each trial is one real training step (``train_on_batch``) on the first samples of
@@ -303,7 +307,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device="CPU:0", trials=4, 
         x: the training inputs (arrays, or a structure of arrays, as for fit()).
         y: the targets. Defaults to None.
         max_bytes: the budget to fit, as for install(). Defaults to the installed one.
-        device: Defaults to "CPU:0".
+        device: Defaults to the device install() was called for (else "CPU:0" on
+            TensorFlow, "GPU:0" on Keras' torch backend).
         trials: the most training steps to run. Defaults to 4.
         start: the first batch size tried. Defaults to 32 (or fewer samples).
         margin: the fraction taken off the largest size that fitted in a trial: a lone
@@ -329,6 +334,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device="CPU:0", trials=4, 
         raise ValueError("find_batch_size(model=...): compile the model first (model.compile(...))")
     if _num_samples(x) < 1:
         raise ValueError("find_batch_size(x=...): x holds no samples")
+    device = _install.resolve_device(device)
     pool = _install.device_pool(device)
     installed = _install.config(device)
     if max_bytes is None and installed is None:
@@ -346,7 +352,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device="CPU:0", trials=4, 
         pool.release_unused()
         pool.set_limit(budget)
     try:
-        found, _ = search(model, x, y, budget, pool, trials=trials, start=start, hold=fit_holds(x, y))
+        found, _ = search(model, x, y, budget, pool, trials=trials, start=start,
+                          hold=fit_holds(x, y, framework=_backend.framework()))
     finally:
         if budget != previous and previous:
             pool.release_unused()

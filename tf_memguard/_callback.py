@@ -3,12 +3,12 @@ fits, the memory report, and out-of-memory errors that explain themselves."""
 import inspect
 import math
 import time
+import traceback
 import warnings
 
 import keras
-import tensorflow as tf
 
-from tf_memguard import _advisor, _core, _install, _report
+from tf_memguard import _advisor, _backend, _core, _install, _report
 from tf_memguard._units import format_bytes
 
 
@@ -17,14 +17,36 @@ from tf_memguard._units import format_bytes
 OOM_SAFETY = 0.75
 
 
-class BudgetExceededError(tf.errors.ResourceExhaustedError):
-    """A step went over the budget without TensorFlow raising: a oneDNN kernel's request
-    had to be granted (oneDNN kernels crash on a refusal), so MemGuardCallback stops the
-    run after that step. A ResourceExhaustedError, so handlers of TensorFlow's
-    out-of-memory error catch it too."""
+_budget_exceeded = {}
 
-    def __init__(self, message):
-        super().__init__(None, None, message)
+
+def _budget_exceeded_error():
+    """BudgetExceededError, made on first use as a subclass of the backend's out-of-memory
+    error (so that importing the callback does not import TensorFlow on torch)."""
+    framework = _backend.framework()
+    if framework not in _budget_exceeded:
+        base = _backend.oom_errors()[0]
+
+        def __init__(self, message):
+            if framework == "torch":
+                base.__init__(self, message)
+            else:
+                base.__init__(self, None, None, message)
+
+        _budget_exceeded[framework] = type("BudgetExceededError", (base,), {
+            "__init__": __init__, "__module__": "tf_memguard",
+            "__doc__": """A step went over the budget without the framework raising: on TensorFlow a
+    oneDNN kernel's request had to be granted (oneDNN kernels crash on a refusal), so
+    MemGuardCallback stops the run after that step. A subclass of the backend's
+    out-of-memory error (tf.errors.ResourceExhaustedError, torch.OutOfMemoryError), so
+    its handlers catch it too."""})
+    return _budget_exceeded[framework]
+
+
+def __getattr__(name):
+    if name == "BudgetExceededError":
+        return _budget_exceeded_error()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _fit_arguments():
@@ -48,7 +70,7 @@ def _is_arrays(data):
     if data is None:
         return False
     leaves = keras.tree.flatten(data)
-    return bool(leaves) and all(hasattr(a, "shape") and hasattr(a, "nbytes") and not isinstance(a, tf.Tensor)
+    return bool(leaves) and all(hasattr(a, "shape") and hasattr(a, "nbytes") and not keras.ops.is_tensor(a)
                                 and len(a.shape) > 0 for a in leaves)
 
 
@@ -71,7 +93,8 @@ class MemGuardCallback(keras.callbacks.Callback):
     tensors whose first dimension is the batch size, splitting the step's peak into
     fixed and per-sample bytes.
 
-    When a step does not fit the budget, TensorFlow's ResourceExhaustedError gets a note
+    When a step does not fit the budget, the backend's out-of-memory error
+    (TensorFlow's ResourceExhaustedError, torch.OutOfMemoryError) gets a note
     with tf_memguard's explanation (request, budget, in use, largest free block) and a
     batch size that fits, measured with up to ``oom_trials`` trial steps when fit() was
     given arrays (weights and optimizer state restored), else estimated on the safe side;
@@ -83,7 +106,8 @@ class MemGuardCallback(keras.callbacks.Callback):
     ``leak_epochs`` epochs by more than 1 MiB and 1% of the peak.
 
     Args:
-        device: the pool to watch. Defaults to "CPU:0".
+        device: the pool to watch. Defaults to the device install() was called for
+            (else "CPU:0" on TensorFlow, "GPU:0" on Keras' torch backend).
         warn_at: fraction of the budget at which an epoch's peak draws a warning.
             Defaults to 0.9.
         headroom: fraction of the budget a suggested batch size leaves free, for the
@@ -103,10 +127,10 @@ class MemGuardCallback(keras.callbacks.Callback):
         >>> print(tf_memguard.report())
     """
 
-    def __init__(self, device="CPU:0", warn_at=0.9, headroom=0.1, batch_size=None, verbose="auto",
+    def __init__(self, device=None, warn_at=0.9, headroom=0.1, batch_size=None, verbose="auto",
                  leak_epochs=3, profile_steps=2, oom_trials=3):
         super().__init__()
-        self.device = _install.normalize_device(device)
+        self.device = _install.normalize_device(device) if device is not None else None
         if not (isinstance(warn_at, (int, float)) and 0 < warn_at <= 1):
             raise ValueError(f"warn_at={warn_at!r}: must be a fraction in (0, 1]")
         if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
@@ -131,7 +155,9 @@ class MemGuardCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         # Everything per run is reset here, so one instance serves several fit() calls.
-        self._pool = _install.device_pool(self.device)
+        self._device = _install.resolve_device(self.device)
+        self._oom_types = _backend.oom_errors()
+        self._pool = _install.device_pool(self._device)
         self._start = self._pool.stats()
         self._budget = self._start["bytes_limit"]
         fit_args = _fit_arguments()
@@ -239,7 +265,7 @@ class MemGuardCallback(keras.callbacks.Callback):
                       f"{100 * self.headroom:.0f}% of it free." if suggestion else
                       " Pass batch_size= to MemGuardCallback for a suggestion.")
             warnings.warn(f"tf_memguard: epoch {epoch + 1} peaked at {format_bytes(peak)}, "
-                          f"{100 * peak / budget:.0f}% of the {format_bytes(budget)} budget on {self.device}."
+                          f"{100 * peak / budget:.0f}% of the {format_bytes(budget)} budget on {self._device}."
                           + advice, stacklevel=2)
 
     def on_train_end(self, logs=None):
@@ -295,8 +321,12 @@ class MemGuardCallback(keras.callbacks.Callback):
                 return original(*args, **kwargs)
             try:
                 return original(*args, **kwargs)
-            except tf.errors.ResourceExhaustedError as e:
-                if not isinstance(e, BudgetExceededError):
+            except callback._oom_types as e:
+                if not isinstance(e, _budget_exceeded_error()):
+                    # The frames of the failed step are done: drop their locals, which on
+                    # PyTorch hold the step's activations (eager tensors), so that the
+                    # trial steps and the retry find the pool as a new step will.
+                    traceback.clear_frames(e.__traceback__)
                     callback._explain_oom(e)
                 raise
 
@@ -327,11 +357,11 @@ class MemGuardCallback(keras.callbacks.Callback):
         b0 = self._run_batch
         budget = self._budget
         if refusal is None:
-            return (f"{self.device}: TensorFlow ran out of memory, but not in tf_memguard's pool "
+            return (f"{self._device}: {_backend.framework_name()} ran out of memory, but not in tf_memguard's pool "
                     "(no request was refused); the budget is not what stopped it.")
         req = refusal["requested_bytes"]
         outside = refusal["overshoot_bytes_in_use"] + refusal["passthrough_bytes_in_use"]
-        head = (f"{self.device}: cannot allocate {format_bytes(req)} ({req} bytes): "
+        head = (f"{self._device}: cannot allocate {format_bytes(req)} ({req} bytes): "
                 f"{format_bytes(refusal['bytes_in_use'] - outside)} of the {format_bytes(refusal['bytes_limit'])} "
                 f"budget in use, largest free block {format_bytes(refusal['largest_free_block_bytes'])}")
         if refusal["overshoot_bytes_in_use"]:
@@ -372,6 +402,10 @@ class MemGuardCallback(keras.callbacks.Callback):
             size = self._measure_after_oom(b0, needed, batch_live)
             if size:
                 return size, ""
+        if batch_live <= 0:
+            # No batch-shaped tensors tagged (only TensorFlow's plugin tags them): count
+            # everything the step had added above its base as batch-dependent (safe side).
+            batch_live = max(needed - self._start["bytes_in_use"], 0)
         fixed = needed - batch_live
         target = self._budget * (1 - self.headroom)
         if batch_live <= 0 or fixed >= target:
@@ -405,7 +439,7 @@ class MemGuardCallback(keras.callbacks.Callback):
 
     def _stop_for_overshoot(self, stats):
         over = stats["overshoot_bytes_by_kind"]["kernel"]
-        message = (f"{self.device}: a oneDNN kernel needed more than the {format_bytes(self._budget)} budget "
+        message = (f"{self._device}: a oneDNN kernel needed more than the {format_bytes(self._budget)} budget "
                    f"(granted over it: {format_bytes(over)} so far; oneDNN kernels crash when an allocation "
                    f"is refused). Stopped after step {self._global_step}.")
         suggestion = self._suggest()
@@ -418,7 +452,7 @@ class MemGuardCallback(keras.callbacks.Callback):
         self._oom = message
         self._unwrap_train_function()
         self._finish()
-        raise BudgetExceededError("tf_memguard: " + message)
+        raise _budget_exceeded_error()("tf_memguard: " + message)
 
     # -- the report --------------------------------------------------------------------
 
@@ -426,12 +460,12 @@ class MemGuardCallback(keras.callbacks.Callback):
         s = self._pool.stats()
         if self._suggestion is None and self._budget and self._points:
             self._suggest()
-        cfg = _install.config(self.device)
+        cfg = _install.config(self._device)
         over = {k: v - self._start["overshoot_bytes_by_kind"][k] for k, v in s["overshoot_bytes_by_kind"].items()}
         peak = max([r.peak_bytes for r in self._records] + [p for _, p, _, _ in self._steps] +
                    [s["window_peak_bytes_in_use"]])
         rep = _report.Report(
-            device=self.device, budget_bytes=self._budget,
+            device=self._device, budget_bytes=self._budget,
             predating_bytes=cfg.predating_bytes if cfg else 0,
             epochs=list(self._records), steps=list(self._steps), peak_bytes=peak,
             allocs=s["num_allocs"] - self._start["num_allocs"],
@@ -440,7 +474,8 @@ class MemGuardCallback(keras.callbacks.Callback):
             suggested_batch_size=self._suggestion.batch_size if self._suggestion else None,
             suggestion_method=self._suggestion.method if self._suggestion else "",
             leak=_report.leak_verdict(self._live_at_end, self.leak_epochs, peak=peak),
-            oom=self._oom, process_peak_rss_bytes=_report.process_peak_rss())
+            oom=self._oom,
+            process_peak_rss_bytes=_report.process_peak_rss() if self._device == "CPU:0" else 0)
         self._report = rep
         _report.set_last(rep)
         if self._talks():

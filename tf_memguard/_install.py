@@ -1,14 +1,20 @@
-"""install(): give TensorFlow's CPU tensors a hard budget, through the plugin's pool."""
+"""install(): give the framework's tensors a hard budget, through the core's pool.
+
+TensorFlow (Keras' default backend): CPU:0 through the TensorFlow plugin, GPU:<n>
+through its GPUProcessState hook. PyTorch (Keras' torch backend): GPU:<n> ("cuda:<n>")
+through torch.cuda.memory.CUDAPluggableAllocator and tf_memguard's PyTorch glue.
+"""
 import dataclasses
 import os
 import re
 import threading
 
-from tf_memguard import _core
+from tf_memguard import _backend, _core
 from tf_memguard._units import HELP, format_bytes, parse_bytes
 
 _lock = threading.Lock()
 _configs = {}  # device -> Config
+_torch_allocator = []  # the CUDAPluggableAllocator installed in PyTorch (kept alive), if any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +28,9 @@ class Config:
         predating_bytes: bytes TensorFlow had allocated on the device before the first
             install() (not under the budget; freed normally later).
         total_memory: the device's memory (host: physical memory, or the cgroup limit).
-        plugin_path: the TensorFlow plugin that routes tensors to the pool.
+        plugin_path: the library that routes tensors to the pool (the TensorFlow plugin,
+            or the PyTorch glue).
+        framework: "tensorflow" or "torch": whose tensors the budget holds.
     """
 
     device: str
@@ -31,10 +39,13 @@ class Config:
     predating_bytes: int
     total_memory: int
     plugin_path: str
+    framework: str = "tensorflow"
 
     @property
     def serving(self):
-        """True once TensorFlow has taken its CPU allocator from tf_memguard."""
+        """True once the framework takes its tensors' memory from tf_memguard's pool."""
+        if self.framework == "torch":
+            return bool(_torch_allocator)
         return bool(_core.plugin_state() & _core.PLUGIN_SERVING)
 
     def __str__(self):
@@ -86,12 +97,12 @@ def _check_plugin():
             "bypass tf_memguard, so a budget would not be enforced. Unset it before starting Python.")
 
 
-def device_pool(device="CPU:0"):
-    """The process-wide pool of `device`, shared with TensorFlow (a tf_memguard.Pool).
+def device_pool(device=None):
+    """The process-wide pool of `device`, shared with the framework (a tf_memguard.Pool).
 
     CPU:0 always has one (counting, before install()); a GPU has one after
     install(device="GPU:<n>")."""
-    device = normalize_device(device)
+    device = resolve_device(device)
     if device == "CPU:0":
         return _core.device_pool(device)
     pool = _core.find_device_pool(device)
@@ -118,15 +129,60 @@ def _gpu_pool(device):
         raise RuntimeError(f"device={device!r}: {e}") from None
 
 
-def install(max_bytes, device="CPU:0"):
-    """Puts TensorFlow's tensors on `device` under a hard budget of `max_bytes`.
+def _torch_pool(device):
+    """Creates the pool of GPU:<n> over CUDA memory and makes PyTorch allocate from it."""
+    if device == "CPU:0":
+        raise ValueError("device='CPU:0': on Keras' torch backend tf_memguard budgets CUDA memory "
+                         "(PyTorch's CPU allocator cannot be replaced); use device='cuda:0'")
+    import torch
 
-    Call it before building the model. From then on every tensor TensorFlow allocates on
-    the device comes out of tf_memguard's pool, which never reserves more than the
-    budget: a kernel's request that does not fit fails with TensorFlow's
-    ResourceExhaustedError (the process, the model and its weights stay usable), and
-    requests TensorFlow cannot survive a refusal of (numpy or Python values turned into
-    tensors, XLA buffers) are granted and counted as overshoot in stats().
+    index = int(device.split(":")[1])
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        raise RuntimeError(f"device={device!r}: PyTorch {torch.__version__} sees "
+                           f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA device(s)"
+                           + ("" if torch.version.cuda else " (a CPU-only build of PyTorch)"))
+    glue = _backend.torch_glue_path()
+    if not os.path.exists(glue):
+        raise RuntimeError("tf_memguard was installed without its PyTorch glue (PyTorch was not in the "
+                           "environment then). Reinstall it now that torch is there: "
+                           "pip install --force-reinstall --no-deps tf_memguard")
+    try:
+        pool = _core.configure_device_pool(device, "cuda", index)
+    except (MemoryError, RuntimeError) as e:
+        raise RuntimeError(f"device={device!r}: {e}") from None
+    if not _torch_allocator:
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(glue, "tfmg_torch_malloc", "tfmg_torch_free")
+        try:
+            torch.cuda.memory.change_current_allocator(allocator)
+        except RuntimeError as e:
+            raise RuntimeError(
+                "PyTorch has set up its CUDA allocator already (a CUDA tensor was made, or torch.cuda "
+                "was initialized), and it cannot be swapped afterwards: call tf_memguard.install() "
+                f"first, before anything touches CUDA ({e})") from None
+        _torch_allocator.append(allocator)
+    return pool
+
+
+def install(max_bytes, device=None):
+    """Puts the tensors of `device` under a hard budget of `max_bytes`.
+
+    Call it before building the model. From then on every tensor the framework allocates
+    on the device comes out of tf_memguard's pool, which never reserves more than the
+    budget.
+
+    On TensorFlow (Keras' default backend) a kernel's request that does not fit fails
+    with TensorFlow's ResourceExhaustedError (the process, the model and its weights stay
+    usable), and requests TensorFlow cannot survive a refusal of (numpy or Python values
+    turned into tensors, XLA buffers) are granted and counted as overshoot in stats().
+
+    On Keras' torch backend (KERAS_BACKEND=torch) the device is a GPU ("cuda:0"):
+    PyTorch's CUDA allocator is replaced through
+    torch.cuda.memory.CUDAPluggableAllocator, so install() must come before anything
+    touches CUDA; a request that does not fit raises torch.OutOfMemoryError with the
+    pool's explanation, and the process goes on. The pool maps device memory as blocks
+    are handed out (CUDA virtual memory), so stats()["bytes_reserved"] follows what the
+    run needed, never above the budget. Other GPUs are served too, counted, without a
+    budget.
 
     Calling it again changes the budget (raising it always works; lowering it below what
     the pool holds in regions with live tensors raises OutOfBudgetError and keeps the old
@@ -137,25 +193,33 @@ def install(max_bytes, device="CPU:0"):
         max_bytes: the budget: an int (bytes), a float in (0, 1] (a fraction of the
             device's memory: for the host, physical memory or the cgroup limit if lower),
             or a string such as "6GB", "512MiB" or "50%".
-        device: "CPU:0", or "GPU:<n>" (a fraction is then of that GPU's memory; call
-            install() before TensorFlow creates its GPU devices, i.e. before the first op
-            or model). Defaults to "CPU:0".
+        device: "CPU:0", or "GPU:<n>" / "cuda:<n>" (a fraction is then of that GPU's
+            memory; call install() before the framework sets up the GPU, i.e. before the
+            first op or model). Defaults to "CPU:0" on TensorFlow, "GPU:0" on torch.
 
     Returns:
         The Config in force.
 
     Raises:
         ValueError: a bad max_bytes or device, naming the value.
-        RuntimeError: TensorFlow would bypass the pool (plugin missing or turned off,
-            TF_CPU_ALLOCATOR_USE_BFC=true); the message says what to do.
+        RuntimeError: the framework would bypass the pool (plugin or glue missing or
+            turned off, TF_CPU_ALLOCATOR_USE_BFC=true, PyTorch's CUDA allocator already
+            set up); the message says what to do.
 
     Example:
         >>> import tf_memguard
         >>> tf_memguard.install(max_bytes="2GiB")
     """
-    device = normalize_device(device)
-    _check_plugin()
-    pool = _core.device_pool(device) if device == "CPU:0" else _gpu_pool(device)
+    framework = _backend.framework()
+    device = normalize_device(device if device is not None else _backend.default_device())
+    parse_bytes(max_bytes, 1 << 40)  # a bad value fails before anything is set up
+    if framework == "torch":
+        pool = _torch_pool(device)
+        path = _backend.torch_glue_path()
+    else:
+        _check_plugin()
+        pool = _core.device_pool(device) if device == "CPU:0" else _gpu_pool(device)
+        path = _core.plugin_path()
     total = pool.total_memory()
     n = parse_bytes(max_bytes, total)
     with _lock:
@@ -163,17 +227,26 @@ def install(max_bytes, device="CPU:0"):
         predating = previous.predating_bytes if previous else pool.stats()["passthrough_bytes_in_use"]
         pool.set_limit(n)
         cfg = Config(device=device, max_bytes=n, requested=max_bytes, predating_bytes=predating,
-                     total_memory=total, plugin_path=_core.plugin_path())
+                     total_memory=total, plugin_path=path, framework=framework)
         _configs[device] = cfg
     return cfg
 
 
-def config(device="CPU:0"):
+def resolve_device(device):
+    """`device` normalized; None: the one device install() was called for, else the
+    framework's usual one ("CPU:0" on TensorFlow, "GPU:0" on torch)."""
+    if device is None:
+        installed = list(_configs)
+        return installed[0] if len(installed) == 1 else normalize_device(_backend.default_device())
+    return normalize_device(device)
+
+
+def config(device=None):
     """The Config in force on `device`, or None before install()."""
-    return _configs.get(normalize_device(device))
+    return _configs.get(resolve_device(device))
 
 
-def stats(device="CPU:0"):
+def stats(device=None):
     """The pool's statistics for `device` as a dict (TensorFlow's field names and more).
 
     Works with and without install(): without it, the pool passes allocations through
@@ -182,14 +255,15 @@ def stats(device="CPU:0"):
     return device_pool(device).stats()
 
 
-def last_refusal(device="CPU:0"):
+def last_refusal(device=None):
     """The state at the most recent refused request on `device` (a dict), or None."""
     return device_pool(device).last_refusal()
 
 
-def reset_peak(device="CPU:0"):
+def reset_peak(device=None):
     """Starts a new window for stats()["window_peak_bytes_in_use"] (e.g. per epoch)."""
     device_pool(device).reset_peak()
 
 
-__all__ = ["Config", "HELP", "config", "device_pool", "install", "last_refusal", "reset_peak", "stats"]
+__all__ = ["Config", "HELP", "config", "device_pool", "install", "last_refusal", "reset_peak",
+           "resolve_device", "stats"]

@@ -39,7 +39,7 @@ class Report:
         leak: the leak verdict ("no leak", "possible leak: ...", "too few epochs to tell").
         oom: the out-of-memory explanation, if the run failed for lack of memory.
         process_peak_rss_bytes: the process's peak resident memory (all of it: tensors,
-            TensorFlow's own buffers outside its allocator, Python).
+            the framework's own buffers outside its allocator, Python).
     """
 
     device: str = "CPU:0"
@@ -163,16 +163,17 @@ def set_last(report):
     _last = report
 
 
-def report(device="CPU:0"):
+def report(device=None):
     """The memory report of the most recent run with MemGuardCallback; without one, a
     report of the pool's state now (no epochs)."""
     if _last is not None:
         return _last
     from tf_memguard import _install
+    device = _install.resolve_device(device)
     s = _install.stats(device)
     cfg = _install.config(device)
     return Report(device=device, budget_bytes=s["bytes_limit"],
                   predating_bytes=cfg.predating_bytes if cfg else 0, peak_bytes=s["peak_bytes_in_use"],
                   allocs=s["num_allocs"], refusals=s["num_refusals"],
                   overshoot_bytes_by_kind=dict(s["overshoot_bytes_by_kind"]),
-                  process_peak_rss_bytes=process_peak_rss())
+                  process_peak_rss_bytes=process_peak_rss() if device == "CPU:0" else 0)
