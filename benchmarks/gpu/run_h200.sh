@@ -14,7 +14,7 @@ echo "== core (CMake) and bindings (setup.py, no TensorFlow)"
 cmake -S . -B /tmp/tfmg_build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build /tmp/tfmg_build -j 16 --target tfmg_core pool_test >/dev/null
 /tmp/tfmg_build/pool_test | tail -1
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site; fi
+if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site; fi
 python3 setup.py -q build_ext --inplace 2>&1 | grep -iE "warning: tf_memguard|error" || true
 python3 - <<'PY'
 import tf_memguard

@@ -1,0 +1,373 @@
+"""Keras on PyTorch under tf_memguard's budget, on a real GPU (the lent H200).
+
+Each run is its own process (PyTorch's allocator is chosen once per process), all in one
+call of this script:
+
+  caching    Keras CNN (inputs 64x64x3, 20,480 samples, batch 256, 3 epochs) with PyTorch's
+             caching allocator: epoch times, max_memory_reserved / max_memory_allocated.
+  memguard   the same under tf_memguard.install(max_bytes=0.5, device="cuda:0") with
+             MemGuardCallback: epoch times, peak bytes backed / peak bytes in use.
+             caching and memguard alternate (ABAB); the ratio is of the medians of
+             epochs 2-3 (epoch 1 holds cuDNN's autotuning and PyTorch's warm-up).
+  oom        budget = 80% of memguard's peak in use: fit at batch 256 must raise
+             torch.OutOfMemoryError carrying tf_memguard's note; then, in the same
+             process, cuBLAS still works, the weights are unchanged, and fit at the
+             suggested batch size trains; find_batch_size answers within 4 steps and its
+             size trains too.
+  naive      the same budget with a naive pluggable allocator (cuMemAlloc per tensor,
+             NULL when over the budget): what PyTorch does with a null block, and whether
+             cuBLAS survives it (the failure the issue reports).
+  torch_only plain PyTorch (no Keras) under a 1 GiB budget: a 2 GiB tensor is refused
+             with torch.OutOfMemoryError and a matmul works afterwards.
+  cublas_naive / cublas_memguard
+             why a naive allocator breaks cuBLAS: under a 256 MiB budget, memory is filled
+             so that a matmul's output (4 MiB) fits but cuBLAS's workspace does not; then
+             the filler is freed and the same matmul runs again, checked against the CPU.
+
+Usage (from the repository root, after `python3 setup.py build_ext --inplace` with
+PyTorch present): python3 benchmarks/gpu/keras_torch.py --out DIR
+Writes DIR/gpu_keras_torch.json (then benchmarks/results/gpu_keras_torch.json).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SIZE, SAMPLES, BATCH, EPOCHS, CLASSES = 64, 20480, 256, 3, 4
+
+NAIVE_SRC = r"""
+// A naive budget allocator for PyTorch's pluggable interface: cuMemAlloc per tensor,
+// NULL when the budget would be passed (what the issue's first attempt did).
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <sys/types.h>
+#include <map>
+#include <mutex>
+typedef int (*alloc_t)(unsigned long long*, size_t);
+typedef int (*free_t)(unsigned long long);
+static alloc_t mem_alloc; static free_t mem_free;
+static std::mutex mu; static std::map<void*, size_t> sizes; static size_t used = 0;
+static size_t budget() { static size_t b = strtoull(getenv("NAIVE_BUDGET"), 0, 10); return b; }
+static void load() {
+  if (mem_alloc) return;
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  mem_alloc = (alloc_t)dlsym(h, "cuMemAlloc_v2"); mem_free = (free_t)dlsym(h, "cuMemFree_v2");
+}
+extern "C" void* naive_malloc(ssize_t size, int device, void* stream) {
+  std::lock_guard<std::mutex> l(mu); load();
+  if (used + size > budget()) return nullptr;
+  unsigned long long p = 0;
+  if (mem_alloc(&p, size ? size : 1) != 0) return nullptr;
+  sizes[(void*)p] = size; used += size; return (void*)p;
+}
+extern "C" void naive_free(void* p, ssize_t size, int device, void* stream) {
+  std::lock_guard<std::mutex> l(mu); load();
+  auto it = sizes.find(p); if (it == sizes.end()) return;
+  used -= it->second; sizes.erase(it); mem_free((unsigned long long)p);
+}
+"""
+
+
+# ----------------------------------------------------------------------------- child
+
+
+def _data():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from _data import pattern_images
+    return pattern_images(SAMPLES, size=SIZE, classes=CLASSES, seed=0)
+
+
+def _model():
+    import keras
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((SIZE, SIZE, 3)),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(128, 3, padding="same", activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(CLASSES),
+    ])
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def _epoch_timer():
+    import keras
+    import torch
+
+    class EpochTimes(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seconds = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            torch.cuda.synchronize()
+            self._t = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            torch.cuda.synchronize()
+            self.seconds.append(time.perf_counter() - self._t)
+
+    return EpochTimes()
+
+
+def _weights(model):
+    return [v.numpy().copy() for v in model.weights]
+
+
+def _cublas_after_refusal(out, budget):
+    """Fills the budget but for 8 MiB, multiplies two 1024x1024 matrices (their 4 MiB
+    output fits, cuBLAS's workspace does not), frees the filler and multiplies again."""
+    import torch
+    a = torch.randn(1024, 1024, device="cuda")
+    b = torch.randn(1024, 1024, device="cuda")
+    ref = (a.double().cpu() @ b.double().cpu())
+    used = 3 * (4 << 20)  # a, b, and room for the output
+    fill = torch.empty(budget - used - (4 << 20), dtype=torch.uint8, device="cuda")
+    for attempt in ("first", "after_freeing"):
+        try:
+            c = a @ b
+            torch.cuda.synchronize()
+            err = float(((c.double().cpu() - ref).norm() / ref.norm()).item())
+            out[attempt] = {"ok": err < 1e-2, "relative_error": err}
+        except Exception as e:  # noqa: BLE001 - the point is which error
+            out[attempt] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        del fill
+        fill = None
+        import gc
+        gc.collect()
+    return out
+
+
+def _dump_trace(path):
+    """The pool's trace (allocations and frees, sizes, offsets) as arrays, for offline
+    study of placement (benchmarks/keras_trace.py)."""
+    import numpy as np
+    import tf_memguard
+    t = tf_memguard.device_pool("cuda:0").trace()
+    ev = t["events"]
+    ops = {"alloc": 0, "free": 1, "refuse": 2, "overshoot": 3}
+    np.savez_compressed(path, op=np.array([ops.get(e["op"], 9) for e in ev], dtype=np.uint8),
+                        size=np.array([e["size"] for e in ev], dtype=np.uint64),
+                        address=np.array([e["address"] for e in ev], dtype=np.uint64),
+                        dropped=np.array([t["dropped"]], dtype=np.uint64))
+    return len(ev)
+
+
+def child(mode, budget):
+    import gc
+    out = {"mode": mode}
+    if mode in ("cublas_naive", "cublas_memguard"):
+        budget = 256 << 20
+    if mode in ("memguard", "oom", "torch_only", "cublas_memguard"):
+        import tf_memguard
+        b = {"memguard": 0.5, "oom": budget, "torch_only": 1 << 30, "cublas_memguard": budget}[mode]
+        cfg = tf_memguard.install(max_bytes=b, device="cuda:0")
+        out["budget_bytes"] = cfg.max_bytes
+    if mode in ("naive", "cublas_naive"):
+        import torch
+        so = "/tmp/naive_alloc.so"
+        subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-x", "c++", "-", "-o", so, "-ldl"], input=NAIVE_SRC,
+                       text=True, check=True)
+        os.environ["NAIVE_BUDGET"] = str(budget)
+        torch.cuda.memory.change_current_allocator(
+            torch.cuda.memory.CUDAPluggableAllocator(so, "naive_malloc", "naive_free"))
+        out["budget_bytes"] = budget
+    import torch
+    if mode.startswith("cublas"):
+        return _cublas_after_refusal(out, budget)
+    if mode == "torch_only":
+        import tf_memguard
+        try:
+            torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+            out["refused"] = False
+        except torch.OutOfMemoryError as e:
+            out["refused"], out["error"] = True, str(e)[:600]
+        a = torch.randn(2048, 2048, device="cuda")
+        out["matmul_after"] = float((a @ a).abs().sum().item()) > 0
+        out["stats"] = {k: tf_memguard.stats("cuda:0")[k] for k in
+                        ("bytes_in_use", "bytes_reserved", "num_refusals", "bytes_limit")}
+        return out
+
+    import keras
+    x, y = _data()
+    model = _model()
+    timer = _epoch_timer()
+    callbacks = [timer]
+    if mode in ("memguard", "oom"):
+        import tf_memguard
+        guard = tf_memguard.MemGuardCallback(verbose=0)
+        callbacks.append(guard)
+    if mode in ("caching", "memguard"):
+        hist = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=callbacks)
+        out["epoch_seconds"] = timer.seconds
+        out["accuracy"] = float(hist.history["accuracy"][-1])
+        if mode == "caching":
+            out["peak_reserved"] = torch.cuda.max_memory_reserved()
+            out["peak_live"] = torch.cuda.max_memory_allocated()
+        else:
+            s = tf_memguard.stats("cuda:0")
+            out["peak_reserved"] = s["peak_bytes_reserved"]
+            out["peak_live"] = s["peak_bytes_in_use"]
+            out["history_keys"] = sorted(k for k in hist.history if k.startswith("memguard"))
+            out["epoch_peaks"] = hist.history["memguard_peak_bytes"]
+            out["report"] = str(tf_memguard.report())
+            if os.environ.get("TRACE_OUT"):
+                out["trace_events"] = _dump_trace(os.environ["TRACE_OUT"])
+        return out
+
+    # oom / naive: a step over the budget, then what still works in this process.
+    before = _weights(model)
+    try:
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=callbacks)
+        out["raised"] = None
+    except Exception as e:  # noqa: BLE001 - what the failure is, is the point here
+        out["raised"] = type(e).__module__ + "." + type(e).__name__
+        out["is_torch_oom"] = isinstance(e, torch.OutOfMemoryError)
+        out["message"] = str(e)[:1500]
+        out["notes"] = [n[:1500] for n in getattr(e, "__notes__", [])]
+        del e
+    gc.collect()
+    try:
+        a = torch.randn(2048, 2048, device="cuda")
+        out["matmul_after"] = float((a @ a).abs().sum().item()) > 0
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        out["matmul_after"] = False
+        out["matmul_error"] = str(e)[:600]
+        return out
+    import numpy as np
+    out["weights_unchanged"] = all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
+    if mode == "naive":
+        return out
+    rep = tf_memguard.report()
+    out["suggested"] = rep.suggested_batch_size if rep else None
+    if out["suggested"]:
+        try:
+            hist = model.fit(x, y, batch_size=out["suggested"], epochs=1, verbose=0,
+                             callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            out["retry_ok"] = True
+            out["retry_peak_fraction"] = float(hist.history["memguard_budget_fraction"][-1])
+        except torch.OutOfMemoryError as e:
+            out["retry_ok"] = False
+            out["retry_error"] = str(e)[:600]
+    gc.collect()
+    t = time.perf_counter()
+    size = tf_memguard.find_batch_size(model, x, y)
+    out["find_batch_size"] = size
+    out["find_batch_size_seconds"] = time.perf_counter() - t
+    try:
+        model.fit(x, y, batch_size=size, epochs=1, verbose=0)
+        out["find_batch_size_fit_ok"] = True
+    except torch.OutOfMemoryError as e:
+        out["find_batch_size_fit_ok"] = False
+        out["find_batch_size_error"] = str(e)[:600]
+    s = tf_memguard.stats("cuda:0")
+    out["refusals"] = s["num_refusals"]
+    out["peak_reserved"] = s["peak_bytes_reserved"]
+    return out
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def run_child(mode, budget=0, timeout=900, **extra_env):
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=os.pathsep.join(
+        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]), **extra_env)
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, "--budget", str(budget)],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    result = json.loads(lines[-1]) if lines else {"mode": mode}
+    result["returncode"] = proc.returncode
+    result["wall_seconds"] = time.perf_counter() - t
+    if proc.returncode != 0 or not lines:
+        result["stderr_tail"] = proc.stderr[-3000:]
+    print(f"  {mode}: rc={proc.returncode} in {result['wall_seconds']:.0f} s", flush=True)
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child")
+    ap.add_argument("--budget", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.budget)), flush=True)
+        return
+
+    runs = {"caching": [], "memguard": []}
+    for _ in range(args.rounds):
+        for mode in ("caching", "memguard"):
+            runs[mode].append(run_child(mode))
+    # One more run under tf_memguard with the pool's trace on (not timed: the trace costs).
+    traced = run_child("memguard", TF_MEMGUARD_TRACE_CAPACITY=str(4 << 20),
+                       TRACE_OUT=os.path.join(args.out, "keras_torch_trace.npz"))
+
+    def steady(mode):
+        return statistics.median(s for r in runs[mode] for s in r.get("epoch_seconds", [])[1:]) \
+            if all(r.get("epoch_seconds") for r in runs[mode]) else None
+
+    def ratio(mode):
+        r = [x["peak_reserved"] / x["peak_live"] for x in runs[mode] if x.get("peak_live")]
+        return max(r) if r else None
+
+    t_cache, t_guard = steady("caching"), steady("memguard")
+    live = max((r.get("peak_live", 0) for r in runs["memguard"]), default=0)
+    budget = int(0.8 * live)
+    oom = run_child("oom", budget) if live else {"mode": "oom", "skipped": "no memguard peak"}
+    naive = run_child("naive", budget, timeout=300) if live else {"mode": "naive", "skipped": "no memguard peak"}
+    torch_only = run_child("torch_only")
+    cublas = {m: run_child(m, timeout=300) for m in ("cublas_naive", "cublas_memguard")}
+    retry_ok = bool(oom.get("is_torch_oom") and oom.get("notes") and oom.get("matmul_after")
+                    and oom.get("weights_unchanged") and oom.get("retry_ok"))
+    result = {
+        "command": "bash benchmarks/gpu/run_keras_torch.sh  (python3 benchmarks/gpu/keras_torch.py --out $OUT)",
+        "model": {"inputs": [SIZE, SIZE, 3], "samples": SAMPLES, "batch_size": BATCH, "epochs": EPOCHS,
+                  "rounds": args.rounds},
+        "epoch_time_ratio": (t_guard / t_cache) if t_cache and t_guard else None,
+        "epoch_seconds_median_caching": t_cache,
+        "epoch_seconds_median_memguard": t_guard,
+        "peak_reserved_over_peak_live": ratio("memguard"),
+        "caching_peak_reserved_over_peak_live": ratio("caching"),
+        "retry_after_oom_ok": retry_ok,
+        "oom_budget_bytes": budget,
+        "runs": runs, "oom": oom, "naive": naive, "torch_only": torch_only, "cublas": cublas,
+        "traced_run": {k: traced.get(k) for k in ("trace_events", "peak_reserved", "peak_live", "returncode")},
+    }
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "gpu_keras_torch.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+    def fmt(v, spec=".3f"):
+        return format(v, spec) if isinstance(v, (int, float)) else str(v)
+
+    print(f"\nKeras {SIZE}x{SIZE}x3 CNN, {SAMPLES} samples, batch {BATCH}, {EPOCHS} epochs, torch backend")
+    print("| allocator | epoch s (median, epochs 2-3) | peak reserved / peak live |")
+    print("|---|---|---|")
+    print(f"| PyTorch caching | {fmt(t_cache)} | {fmt(ratio('caching'))} |")
+    print(f"| tf_memguard | {fmt(t_guard)} | {fmt(ratio('memguard'))} |")
+    print(f"epoch_time_ratio {fmt(result['epoch_time_ratio'])}; retry_after_oom_ok {retry_ok}; "
+          f"OOM budget {budget} B; suggested {oom.get('suggested')}; find_batch_size {oom.get('find_batch_size')}")
+    print(f"naive allocator: raised {naive.get('raised')}, matmul after: {naive.get('matmul_after')} "
+          f"{naive.get('matmul_error', '')[:200]}")
+    print(f"torch only: refused {torch_only.get('refused')}, matmul after {torch_only.get('matmul_after')}")
+    for m, r in cublas.items():
+        print(f"{m}: first {r.get('first')}; after freeing {r.get('after_freeing')}")
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
