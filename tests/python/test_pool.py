@@ -327,5 +327,30 @@ def test_cuda_upstream_without_a_driver_or_gpu_says_so():
         pytest.skip("this machine has a GPU")
     with pytest.raises(MemoryError, match="cannot use CUDA memory: (no CUDA driver|cuInit failed)"):
         tf_memguard.Pool(max_bytes=1 << 20, upstream="cuda")
-    with pytest.raises(ValueError, match="upstream='tpu': must be 'host', 'cuda' or 'cuda_managed'"):
+    with pytest.raises(ValueError, match="upstream='tpu': must be 'host', 'host_on_demand', 'cuda' or 'cuda_managed'"):
         tf_memguard.Pool(max_bytes=1 << 20, upstream="tpu")
+
+
+def test_a_pool_backed_on_demand_reserves_what_its_blocks_need():
+    # host_on_demand maps 64 KiB granules as blocks are handed out (as CUDA virtual memory
+    # maps 2 MiB ones): bytes_reserved follows use, not the budget, and every byte of a
+    # block is accessible (an unbacked one would fault).
+    pool = tf_memguard.Pool(max_bytes=1 << 30, upstream="host_on_demand")
+    blocks = [pool.allocate(n) for n in (100, 3 * MiB, 200 * 1024, 5 * MiB)]
+    for address, n in zip(blocks, (100, 3 * MiB, 200 * 1024, 5 * MiB)):
+        ctypes.memset(address, 0x5A, n)
+    s = pool.stats()
+    assert s["bytes_in_use"] <= s["bytes_reserved"] <= s["bytes_in_use"] + 4 * 64 * 1024
+    assert s["bytes_reserved"] % (64 * 1024) == 0 and s["bytes_limit"] == 1 << 30
+    for address in blocks[1:]:
+        pool.free(address)
+    assert pool.stats()["bytes_reserved"] == s["bytes_reserved"]  # kept until released
+    pool.release_unused()
+    assert pool.stats()["bytes_reserved"] == 64 * 1024  # the granule of the 100-byte block
+    assert pool.stats()["peak_bytes_reserved"] == s["bytes_reserved"]
+    ctypes.memset(blocks[0], 1, 100)
+    again = pool.allocate(8 * MiB)
+    ctypes.memset(again, 1, 8 * MiB)  # backed again on demand
+    pool.free(again)
+    pool.free(blocks[0])
+    pool.check()
