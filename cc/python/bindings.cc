@@ -194,10 +194,10 @@ class Pool {
     return size;
   }
 
-  void set_limit(const py::object& max_bytes) {
+  void set_limit(const py::object& max_bytes, bool drain) {
     const uint64_t n = to_u64(max_bytes, "max_bytes", false);
     tfmg_pool* p = get();
-    call([&] { return tfmg_pool_set_limit(p, n); });
+    call([&] { return drain ? tfmg_pool_set_limit_draining(p, n) : tfmg_pool_set_limit(p, n); });
   }
 
   py::dict stats() {
@@ -366,7 +366,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("must_succeed") = false, py::arg("batch") = false)
       .def("free", &Pool::free, py::arg("address"))
       .def("block_size", &Pool::block_size, py::arg("address"))
-      .def("set_limit", &Pool::set_limit, py::arg("max_bytes"))
+      .def("set_limit", &Pool::set_limit, py::arg("max_bytes"), py::arg("drain") = false)
       .def("stats", &Pool::stats)
       .def("clear_stats", &Pool::clear_stats)
       .def("reset_peak", &Pool::reset_peak)

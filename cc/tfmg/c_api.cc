@@ -145,7 +145,13 @@ tfmg_status tfmg_pool_block_size(tfmg_pool* p, const void* ptr, uint64_t* out) {
 tfmg_status tfmg_pool_set_limit(tfmg_pool* p, uint64_t max_bytes) {
   TFMG_EXPECT_POOL(p);
   tfmg::pool_error e{};
-  return p->impl.set_limit(max_bytes, &e) ? TFMG_OK : fail(e);
+  return p->impl.set_limit(max_bytes, false, &e) ? TFMG_OK : fail(e);
+}
+
+tfmg_status tfmg_pool_set_limit_draining(tfmg_pool* p, uint64_t max_bytes) {
+  TFMG_EXPECT_POOL(p);
+  tfmg::pool_error e{};
+  return p->impl.set_limit(max_bytes, true, &e) ? TFMG_OK : fail(e);
 }
 
 tfmg_status tfmg_pool_get_stats(tfmg_pool* p, tfmg_stats* out) {

@@ -185,6 +185,11 @@ TFMG_API tfmg_status tfmg_pool_block_size(tfmg_pool* pool, const void* ptr, uint
  * that is not enough. Setting a budget on a pass-through pool switches it to pooling;
  * blocks handed out before stay valid and are counted as passthrough bytes. */
 TFMG_API tfmg_status tfmg_pool_set_limit(tfmg_pool* pool, uint64_t max_bytes);
+/* Lowers (or sets) the budget at once, whatever is held: regions that cannot go back
+ * because they hold blocks in use stop serving requests ("drain") and are returned to
+ * the upstream when their last block is freed; until then bytes_reserved counts them,
+ * the budget does not. For putting a budget back after it was raised for a while. */
+TFMG_API tfmg_status tfmg_pool_set_limit_draining(tfmg_pool* pool, uint64_t max_bytes);
 
 TFMG_API tfmg_status tfmg_pool_get_stats(tfmg_pool* pool, tfmg_stats* out);
 /* As TensorFlow's ClearStats: num_allocs and largest_alloc_size to 0, the peaks to the

@@ -278,18 +278,19 @@ bool pool::grow_locked(std::size_t size, std::size_t alignment) {
   const std::size_t page = upstream_->page_size();
   const std::size_t extra = alignment > granule_ ? alignment - granule_ : 0;
   const std::size_t need = round_up(size + extra, page);
-  if (need > limit_ || need < size) return false;
-  if (need > limit_ - reserved_) {
+  const std::size_t counted = reserved_ - draining_;
+  if (need > limit_ || need < size || counted > limit_) return false;
+  if (need > limit_ - counted) {
     // Returning empty regions helps only if it makes room; otherwise change nothing,
     // so that a refusal leaves every counter as it was.
     std::size_t releasable = 0;
     for (const auto& r : regions_) {
-      if (r->first->free && r->first->next == nullptr) releasable += r->size;
+      if (r->first->free && r->first->next == nullptr && !r->draining) releasable += r->size;
     }
-    if (need > limit_ - reserved_ + releasable) return false;
+    if (need > limit_ - counted + releasable) return false;
     release_unused_locked();
   }
-  const std::size_t room = round_down(limit_ - reserved_, page);
+  const std::size_t room = round_down(limit_ - (reserved_ - draining_), page);
   std::size_t want = std::max(need, std::min(round_up(std::min(next_region_bytes_, room), page), room));
   void* p = upstream_->allocate(want, page, true);
   if (p == nullptr && want > need) {
@@ -430,6 +431,10 @@ bool pool::deallocate(void* p, std::size_t* size_out, pool_error* error) {
 }
 
 void pool::free_block_locked(block* b) {
+  if (b->owner->draining) {
+    free_in_draining_locked(b);
+    return;
+  }
   // Coalesce through the address links, O(1) to find the neighbours; a free neighbour
   // absorbs b (its tree node re-keyed in place where order allows).
   block* prev = (b->prev != nullptr && b->prev->free) ? b->prev : nullptr;
@@ -503,24 +508,71 @@ bool pool::block_size(const void* p, std::size_t* out) const {
 // ---------------------------------------------------------------------------------
 // Budget, regions, statistics
 
-bool pool::set_limit(std::size_t max_bytes, pool_error* error) {
+bool pool::set_limit(std::size_t max_bytes, bool drain, pool_error* error) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (max_bytes == 0) {
     error->status = TFMG_ERROR_INVALID_ARGUMENT;
     error->message = "max_bytes=0: a budget must be a positive number of bytes";
     return false;
   }
-  if (max_bytes < reserved_) release_unused_locked();
-  if (max_bytes < reserved_) {
+  if (max_bytes < reserved_ - draining_) release_unused_locked();
+  if (drain) {
+    // The newest regions drain first (the oldest hold the longest-lived blocks).
+    for (auto it = regions_.rbegin(); it != regions_.rend() && max_bytes < reserved_ - draining_; ++it) {
+      if (!(*it)->draining) drain_region_locked(it->get());
+    }
+  }
+  if (max_bytes < reserved_ - draining_) {
     error->status = TFMG_ERROR_OUT_OF_MEMORY;
     error->message = "cannot lower the budget to " + format_bytes(max_bytes) + ": " +
-                     format_bytes(reserved_) +
+                     format_bytes(reserved_ - draining_) +
                      " is reserved in regions that still hold blocks in use. Free them first; "
                      "the budget stays " + format_bytes(limit_) + ".";
     return false;
   }
   limit_ = max_bytes;
   return true;
+}
+
+void pool::drain_region_locked(region* r) {
+  for (block* b = r->first; b != nullptr; b = b->next) {
+    if (b->free) erase_free_locked(b);
+  }
+  r->draining = true;
+  draining_ += r->size;
+}
+
+void pool::free_in_draining_locked(block* b) {
+  // As free_block_locked, but free blocks of a draining region are not indexed.
+  b->free = true;
+  if (b->prev != nullptr && b->prev->free) {
+    block* prev = b->prev;
+    prev->size += b->size;
+    unlink(b);
+    recycle_block_locked(b);
+    b = prev;
+  }
+  if (b->next != nullptr && b->next->free) {
+    block* next = b->next;
+    b->size += next->size;
+    unlink(next);
+    recycle_block_locked(next);
+  }
+  if (b->prev == nullptr && b->next == nullptr) release_region_locked(b->owner);
+}
+
+void pool::release_region_locked(region* r) {
+  recycle_block_locked(r->first);
+  if (backs_) backed_ -= upstream_->discard(reinterpret_cast<void*>(r->base), r->size);
+  upstream_->deallocate(reinterpret_cast<void*>(r->base), r->size, upstream_->page_size(), true);
+  reserved_ -= r->size;
+  if (r->draining) draining_ -= r->size;
+  for (auto it = regions_.begin(); it != regions_.end(); ++it) {
+    if (it->get() == r) {
+      regions_.erase(it);
+      break;
+    }
+  }
 }
 
 std::size_t pool::release_unused() {
@@ -545,11 +597,12 @@ std::size_t pool::release_unused_locked() {
   for (auto it = regions_.begin(); it != regions_.end(); ++it) {
     region* r = it->get();
     if (r->first->free && r->first->next == nullptr) {
-      erase_free_locked(r->first);
+      if (!r->draining) erase_free_locked(r->first);
       recycle_block_locked(r->first);
       if (backs_) backed_ -= upstream_->discard(reinterpret_cast<void*>(r->base), r->size);
       upstream_->deallocate(reinterpret_cast<void*>(r->base), r->size, upstream_->page_size(), true);
       reserved_ -= r->size;
+      if (r->draining) draining_ -= r->size;
       released += r->size;
       it->reset();
     } else {
@@ -576,7 +629,7 @@ void pool::release_all() {
   std::fill(std::begin(bin_bits_), std::end(bin_bits_), 0);
   spare_blocks_.clear();
   block_chunks_.clear();
-  reserved_ = backed_ = pooled_in_use_ = passthrough_in_use_ = overshoot_in_use_ = batch_in_use_ = 0;
+  reserved_ = draining_ = backed_ = pooled_in_use_ = passthrough_in_use_ = overshoot_in_use_ = batch_in_use_ = 0;
 }
 
 std::size_t pool::in_use_blocks() const {
@@ -593,9 +646,11 @@ std::size_t pool::largest_allocatable_locked() const {
   if (limit_ == 0) return upstream_->total_memory();
   std::size_t releasable = 0;
   for (const auto& r : regions_) {
-    if (r->first->free && r->first->next == nullptr) releasable += r->size;
+    if (r->first->free && r->first->next == nullptr && !r->draining) releasable += r->size;
   }
-  const std::size_t growable = round_down(limit_ - reserved_ + releasable, upstream_->page_size());
+  const std::size_t counted = reserved_ - draining_;
+  const std::size_t growable =
+      counted > limit_ ? 0 : round_down(limit_ - counted + releasable, upstream_->page_size());
   return std::max(largest_free_locked(), growable);
 }
 
@@ -744,7 +799,9 @@ bool pool::is_valid(std::string* why) const {
       if (b->size == 0 || b->size % granule_ != 0 || b->addr % granule_ != 0) {
         return fail(where + ": size or address not a multiple of the granule");
       }
-      if (b->free) {
+      if (b->free && r->draining) {
+        if (prev != nullptr && prev->free) return fail(where + ": two free neighbours not coalesced");
+      } else if (b->free) {
         ++free_blocks;
         if (prev != nullptr && prev->free) return fail(where + ": two free neighbours not coalesced");
         if (b->bin != bin_of(b->size) || b->where->b != b || b->where->size != b->size ||
@@ -770,7 +827,10 @@ bool pool::is_valid(std::string* why) const {
   if (used_blocks != live_.size()) return fail("live map holds blocks that are not in use");
   if (used != pooled_in_use_) return fail("bytes in use do not match the blocks in use");
   if (reserved != reserved_) return fail("bytes reserved do not match the regions");
-  if (limit_ != 0 && reserved_ > limit_) return fail("reserved bytes exceed the budget");
+  std::size_t draining = 0;
+  for (const auto& r : regions_) draining += r->draining ? r->size : 0;
+  if (draining != draining_) return fail("draining bytes do not match the draining regions");
+  if (limit_ != 0 && reserved_ - draining_ > limit_) return fail("reserved bytes exceed the budget");
   std::size_t pass = 0, over = 0, batch = 0;
   for (const auto& d : direct_) {
     (d.second.overshoot ? over : pass) += d.second.size;

@@ -85,7 +85,9 @@ class pool {
   bool deallocate(void* p, std::size_t* size_out, pool_error* error);
   bool block_size(const void* p, std::size_t* out) const;
 
-  bool set_limit(std::size_t max_bytes, pool_error* error);
+  // With `drain`, lowering works whatever is held: regions that cannot be released
+  // (they hold blocks in use) stop serving and go back with their last block.
+  bool set_limit(std::size_t max_bytes, bool drain, pool_error* error);
   tfmg_stats stats() const;
   void clear_stats();
   void reset_peak();
@@ -135,6 +137,7 @@ class pool {
     std::size_t size;
     int index;
     block* first;
+    bool draining = false;  // serves no request; released when its last block is freed
   };
   struct direct_block {
     std::size_t size;
@@ -169,6 +172,9 @@ class pool {
   block* carve_locked(block* b, std::size_t size, std::size_t alignment, bool small);
   bool grow_locked(std::size_t size, std::size_t alignment);
   std::size_t release_unused_locked();
+  void drain_region_locked(region* r);
+  void free_in_draining_locked(block* b);
+  void release_region_locked(region* r);
   void* allocate_direct_locked(std::size_t size, std::size_t alignment, bool overshoot,
                                unsigned flags, pool_error* error);
   void free_block_locked(block* b);
@@ -207,6 +213,7 @@ class pool {
   std::size_t passthrough_in_use_ = 0;
   std::size_t overshoot_in_use_ = 0;
   std::size_t reserved_ = 0;  // bytes of regions (address space where backs_)
+  std::size_t draining_ = 0;  // of which in draining regions (outside the budget's count)
   const bool backs_;          // the upstream backs regions on demand
   std::size_t backed_ = 0;    // bytes backed by physical memory, where backs_
 

@@ -430,6 +430,38 @@ void test_backing_on_demand_maps_what_blocks_need_and_gives_it_back() {
   CHECK_OK(tfmg_pool_destroy(p, 0));
 }
 
+// Putting a raised budget back while blocks live in the extra room: the region drains
+// (serves nothing) and goes back with its last block; the budget holds at once.
+void test_lowering_the_budget_drains_regions_that_hold_blocks() {
+  tfmg_pool* p = make_pool(8 * MiB);
+  void* a = alloc(p, 6 * MiB);
+  CHECK(a != nullptr);
+  CHECK(alloc(p, 4 * MiB) == nullptr);  // 2 MiB left
+  CHECK_OK(tfmg_pool_set_limit(p, 16 * MiB));
+  void* b = alloc(p, 6 * MiB);  // in a second region
+  CHECK(b != nullptr);
+  CHECK(tfmg_pool_set_limit(p, 8 * MiB) == TFMG_ERROR_OUT_OF_MEMORY);  // the strict call refuses
+  CHECK_OK(tfmg_pool_set_limit_draining(p, 8 * MiB));
+  tfmg_stats s = stats(p);
+  CHECK(s.bytes_limit == 8 * MiB && s.bytes_reserved == 16 * MiB && s.num_regions == 2);
+  CHECK(valid(p));
+  CHECK(alloc(p, 4 * MiB) == nullptr);  // the draining region's 2 MiB serve nobody
+  void* c = alloc(p, 1 * MiB);          // the first region's do
+  CHECK(c != nullptr && reinterpret_cast<uintptr_t>(c) - reinterpret_cast<uintptr_t>(a) < 8 * MiB);
+  CHECK(valid(p));
+  CHECK_OK(tfmg_pool_deallocate(p, b, nullptr));  // its last block: the region goes back
+  s = stats(p);
+  CHECK(s.bytes_reserved == 8 * MiB && s.num_regions == 1 && s.bytes_limit == 8 * MiB);
+  CHECK(valid(p));
+  CHECK_OK(tfmg_pool_deallocate(p, c, nullptr));
+  CHECK_OK(tfmg_pool_deallocate(p, a, nullptr));
+  void* d = alloc(p, 8 * MiB);  // the whole budget is one free block again
+  CHECK(d != nullptr);
+  CHECK_OK(tfmg_pool_deallocate(p, d, nullptr));
+  CHECK(valid(p));
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
 }  // namespace
 
 int main() {
@@ -452,6 +484,8 @@ int main() {
       {"random_operations_keep_every_invariant", test_random_operations_keep_every_invariant},
       {"many_threads_keep_the_pool_valid", test_many_threads_keep_the_pool_valid},
       {"window_peak_remembers_its_batch_split", test_window_peak_remembers_its_batch_split},
+      {"lowering_the_budget_drains_regions_that_hold_blocks",
+       test_lowering_the_budget_drains_regions_that_hold_blocks},
       {"backing_on_demand_maps_what_blocks_need_and_gives_it_back",
        test_backing_on_demand_maps_what_blocks_need_and_gives_it_back},
   };
