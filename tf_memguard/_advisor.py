@@ -84,7 +84,7 @@ def fit_line(points):
     return b.peak_bytes - slope * b.batch_size, slope
 
 
-def suggest(points, budget, headroom=0.1, max_batch=None):
+def suggest(points, budget, headroom=0.1, max_batch=None, fixed_step_bytes=0):
     """The largest batch size whose predicted peak stays within (1 - headroom) of the budget.
 
     Args:
@@ -93,6 +93,9 @@ def suggest(points, budget, headroom=0.1, max_batch=None):
         headroom: the fraction of the budget kept free for what the model does not see
             (fragmentation, an odd larger step). Defaults to 0.1.
         max_batch: an upper limit (the dataset's size), or None.
+        fixed_step_bytes: bytes a step adds above its base whatever the batch (one
+            gradient per trainable weight): with one measured size, growing is not
+            charged for them. Defaults to 0.
 
     Returns:
         A Suggestion, or None when nothing was measured.
@@ -109,8 +112,10 @@ def suggest(points, budget, headroom=0.1, max_batch=None):
     else:
         # One size measured. Shrinking saves the bytes of batch-shaped tensors at the peak
         # (a lower bound of the local slope, so the estimate stays above the real peak);
-        # growing costs at most what the step added above its base per sample.
-        above_base = max(ref.peak_bytes - ref.base_bytes, 1) / ref.batch_size
+        # growing costs at most what the step added above its base per sample, less what
+        # it adds whatever the batch (the gradients: one per trainable weight).
+        grown = max(ref.peak_bytes - ref.base_bytes - fixed_step_bytes, ref.batch_bytes, 1)
+        above_base = grown / ref.batch_size
         shrink_slope = ref.batch_bytes / ref.batch_size if ref.batch_bytes > 0 else above_base
         slope = shrink_slope if ref.peak_bytes > target else above_base
         fixed = ref.peak_bytes - slope * ref.batch_size
@@ -221,9 +226,11 @@ def _next_trial(points, budget, n, start, headroom):
             return None
         if len(fitted) == 1:
             # Between a pessimistic estimate (everything the step added scales with the
-            # batch) and an optimistic one (only batch-shaped tensors do): their geometric mean.
+            # batch) and an optimistic one (only batch-shaped tensors do): their geometric
+            # mean. Without batch-shaped tensors tagged (PyTorch), the pessimistic one:
+            # curves are concave, so it lands below the limit and the next line is closer.
             low = suggest([best], budget, headroom).batch_size
-            high = best.split_suggestion(target) or 8 * low
+            high = best.split_suggestion(target) or low
             size = min(int((max(low, 1) * max(high, low, 1)) ** 0.5), 32 * best.batch_size)
         else:
             size = suggest(fitted, budget, headroom).batch_size
@@ -271,7 +278,7 @@ def search(model, x, y, budget, pool, points=(), trials=4, start=None, hold=None
                       target_bytes=budget, method="trial steps", measured=best > 0), points
 
 
-def fit_holds(x, y=None, prefetched=2, framework="tensorflow"):
+def fit_holds(x, y=None, prefetched=2, framework="tensorflow", copies=True):
     """What fit() keeps in the pool beside a step, for arrays x and y.
 
     TensorFlow: a copy of every array (Keras turns them into one tensor each), and a few
@@ -279,15 +286,16 @@ def fit_holds(x, y=None, prefetched=2, framework="tensorflow"):
     step plus the copy on TF 2.21). PyTorch: the arrays stay in host memory and each
     batch is moved to the GPU in its step, so only the batch being moved. Returns
     hold(batch_size): one block, the copy being one long-lived tensor that the step's
-    tensors are placed around."""
+    tensors are placed around. `copies=False` leaves the copy out (when the pool holds
+    one already, as inside fit())."""
     import keras
     arrays = [a for part in (x, y) if part is not None for a in keras.tree.flatten(part)
               if hasattr(a, "nbytes") and hasattr(a, "shape") and len(a.shape) > 0]
     per_sample = sum(int(a.nbytes) // max(int(a.shape[0]), 1) for a in arrays)
     if framework == "torch":
         return lambda batch_size: [per_sample * batch_size]
-    copies = [int(a.nbytes) for a in arrays]
-    return lambda batch_size: [sum(copies) + per_sample * batch_size * prefetched]
+    copy = sum(int(a.nbytes) for a in arrays) if copies else 0
+    return lambda batch_size: [copy + per_sample * batch_size * prefetched]
 
 
 def find_batch_size(model, x, y=None, max_bytes=None, device=None, trials=4, start=None, margin=0.05):

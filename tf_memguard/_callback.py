@@ -1,5 +1,6 @@
 """MemGuardCallback: per-epoch peaks in the Keras logs, warnings with a batch size that
 fits, the memory report, and out-of-memory errors that explain themselves."""
+import gc
 import inspect
 import math
 import time
@@ -15,6 +16,8 @@ from tf_memguard._units import format_bytes
 # The share of the largest batch size that fitted a trial step (or of the estimate) that
 # is suggested after an out-of-memory error: the retry must fit, first time.
 OOM_SAFETY = 0.75
+# The share taken off a size measured by trial steps during a run (as find_batch_size).
+ADVICE_MARGIN = 0.05
 
 
 _budget_exceeded = {}
@@ -74,6 +77,16 @@ def _is_arrays(data):
                                 and len(a.shape) > 0 for a in leaves)
 
 
+def _gradient_bytes(model):
+    """Bytes of one gradient per trainable weight: what a training step holds at once
+    whatever its batch size."""
+    import numpy as np
+    try:
+        return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.trainable_weights)
+    except (AttributeError, TypeError):
+        return 0
+
+
 class MemGuardCallback(keras.callbacks.Callback):
     """Records the memory of every epoch, warns near the budget, and explains an OOM.
 
@@ -120,6 +133,10 @@ class MemGuardCallback(keras.callbacks.Callback):
         profile_steps: steps profiled at the start of each epoch. Defaults to 2.
         oom_trials: trial steps that measure the advice after an out-of-memory error
             (0: estimate only). Defaults to 3.
+        advice_trials: trial steps run once, after the first epoch of a run whose peak
+            reached half of its budget, to measure the advice (array data only; weights
+            and optimizer state restored; the pool's unused memory is released after them;
+            0: the one-step estimate only). Defaults to 3.
 
     Example:
         >>> tf_memguard.install(max_bytes="2GiB")
@@ -128,7 +145,7 @@ class MemGuardCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, device=None, warn_at=0.9, headroom=0.1, batch_size=None, verbose="auto",
-                 leak_epochs=3, profile_steps=2, oom_trials=3):
+                 leak_epochs=3, profile_steps=2, oom_trials=3, advice_trials=3):
         super().__init__()
         self.device = _install.normalize_device(device) if device is not None else None
         if not (isinstance(warn_at, (int, float)) and 0 < warn_at <= 1):
@@ -140,7 +157,7 @@ class MemGuardCallback(keras.callbacks.Callback):
         if verbose not in ("auto", 0, 1, 2, True, False):
             raise ValueError(f"verbose={verbose!r}: must be 'auto', 0, 1 or 2")
         for name, value in (("leak_epochs", leak_epochs), ("profile_steps", profile_steps),
-                            ("oom_trials", oom_trials)):
+                            ("oom_trials", oom_trials), ("advice_trials", advice_trials)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r}: must be a non-negative int")
         self.warn_at = float(warn_at)
@@ -150,6 +167,7 @@ class MemGuardCallback(keras.callbacks.Callback):
         self.leak_epochs = leak_epochs
         self.profile_steps = profile_steps
         self.oom_trials = oom_trials
+        self.advice_trials = advice_trials
 
     # -- per-run state -------------------------------------------------------------
 
@@ -175,6 +193,7 @@ class MemGuardCallback(keras.callbacks.Callback):
         self._warned = False
         self._oom = None
         self._suggestion = None
+        self._measured = None  # the suggestion measured by trial steps (False: tried, none)
         self._report = None
         self._in_trials = False
         self._kernel_overshoots = self._start["overshoots_by_kind"]["kernel"]
@@ -258,6 +277,12 @@ class MemGuardCallback(keras.callbacks.Callback):
                       f"({100 * peak / budget:.0f}%)")
             else:
                 print(f"epoch {epoch + 1}: peak {format_bytes(peak)} (no budget installed)")
+        if budget and self._measured is None and self._points and self.advice_trials and peak >= budget / 2:
+            # Once per run, after its first epoch, when the run uses half of its budget or
+            # more: a few trial steps measure the advice. What they took goes back.
+            self._suggest(measure=True)
+            self._measured = self._measured or False
+            self._pool.release_unused()
         if budget and peak >= self.warn_at * budget and not self._warned:
             self._warned = True
             suggestion = self._suggest()
@@ -274,10 +299,14 @@ class MemGuardCallback(keras.callbacks.Callback):
 
     # -- advice ----------------------------------------------------------------------
 
-    def _suggest(self):
-        """The batch size that fits the budget with headroom, from the steps measured."""
+    def _suggest(self, measure=False):
+        """The batch size that fits the budget with headroom, from the steps measured
+        (and with `measure`, up to ``advice_trials`` trial steps)."""
         if not self._budget or not self._points or not self._run_batch:
             return None
+        if self._measured:
+            self._suggestion = self._measured
+            return self._suggestion
         target = self._budget * (1.0 - self.headroom)
         ref = max(self._points, key=lambda p: p.peak_bytes)
         # Raise the reference peak to the worst epoch peak seen: a step outside the
@@ -285,12 +314,12 @@ class MemGuardCallback(keras.callbacks.Callback):
         worst = max([r.peak_bytes for r in self._records] + [ref.peak_bytes])
         ref = _advisor.Point(**{**ref.__dict__, "peak_bytes": worst})
         # Two one-step estimates: "everything the step added above its base scales with
-        # the batch" (over-estimates the cost of growing) and "only the batch-shaped
-        # tensors do" (over-estimates the saving of shrinking is avoided: it counts only
-        # those). The smaller answer is on the safe side both ways; it under-shoots most
-        # when the step's peak is dominated by batch-independent memory (the MLP of
-        # tests/python/test_advice.py: 0.77 of the largest size that fits).
-        line = _advisor.suggest([ref], self._budget, headroom=self.headroom)
+        # the batch, but for one gradient per trainable weight" (over-estimates the cost
+        # of growing) and "only the batch-shaped tensors do" (over-estimates the saving of
+        # shrinking is avoided: it counts only those). The smaller answer is on the safe
+        # side both ways.
+        line = _advisor.suggest([ref], self._budget, headroom=self.headroom,
+                                fixed_step_bytes=_gradient_bytes(self.model))
         split = ref.split_suggestion(target)
         size = min(line.batch_size, split) if split else line.batch_size
         n = self._num_samples()
@@ -299,7 +328,51 @@ class MemGuardCallback(keras.callbacks.Callback):
         self._suggestion = _advisor.Suggestion(
             batch_size=max(1, size), fixed_bytes=line.fixed_bytes, per_sample_bytes=line.per_sample_bytes,
             target_bytes=int(target), method="the steps profiled in this run")
+        if measure:
+            measured = self._measure_suggestion()
+            if measured is not None:
+                self._suggestion = self._measured = measured
         return self._suggestion
+
+    def _measure_suggestion(self):
+        """Trial steps beside the running fit() (its data and iterator in the pool, as
+        for its own steps), from the profiled step towards the budget; the model's weights
+        and optimizer state are restored. A line through the two largest steps that
+        fitted, capped below any that did not, gives the size whose peak reaches
+        (1 - headroom) of the budget. None without array data or trials."""
+        if not self.advice_trials or not _is_arrays(self._fit_x):
+            return None
+        # fit() keeps batches prepared ahead (tf.data's prefetch; two were measured); a
+        # trial's are the running batch size's, so it holds the difference.
+        per_sample = sum(int(a.nbytes) // max(int(a.shape[0]), 1)
+                         for part in (self._fit_x, self._fit_y) if part is not None
+                         for a in keras.tree.flatten(part))
+        prefetched = 2 if _backend.framework() == "tensorflow" else 0
+        b0 = self._run_batch
+
+        def hold(size):
+            return [max(size - b0, 0) * per_sample * prefetched]
+
+        self._in_trials = True
+        try:
+            # The first trial repeats the running batch size, so that every point of the
+            # line is measured the same way (a trial's peak and a fit() step's differ).
+            _, points = _advisor.search(self.model, self._fit_x, self._fit_y, self._budget, self._pool,
+                                        trials=self.advice_trials, start=b0, headroom=self.headroom,
+                                        hold=hold)
+        except self._oom_types:
+            return None
+        finally:
+            self._in_trials = False
+        self._trial_points = points
+        line = _advisor.suggest(points, self._budget, headroom=self.headroom, max_batch=self._num_samples())
+        if line is None or len([p for p in points if p.fits]) < 2:
+            return None
+        # As find_batch_size: a lone step that fits can be lucky in the pool's layout.
+        return _advisor.Suggestion(
+            batch_size=max(1, int(line.batch_size * (1 - ADVICE_MARGIN))), fixed_bytes=line.fixed_bytes,
+            per_sample_bytes=line.per_sample_bytes, target_bytes=line.target_bytes,
+            method=f"{len(points)} trial steps", measured=True)
 
     def _num_samples(self):
         if _is_arrays(self._fit_x):
@@ -416,21 +489,37 @@ class MemGuardCallback(keras.callbacks.Callback):
         return max(1, min(size, b0 - 1)), "about "
 
     def _measure_after_oom(self, b0, needed, batch_live):
-        # Until the exception is gone, fit()'s frames hold its iterator and the batches it
-        # prefetched, so the trials meet a fuller pool than the retry will: their answer
-        # errs small, never over the budget. (Raising the budget for the trials was
-        # tried: the retry's copy of the data could land in the extra room, and the
-        # budget could not be put back.)
+        # Until the exception is gone, fit()'s frames hold the batches it prepared ahead
+        # (and its copy of the data, which the retry's copy will replace: it stands for
+        # it). So for the trials the budget is raised by what the failed fit() added to
+        # the pool since it began, and blocks the size of the retry's prepared batches
+        # are kept beside each trial step: a trial is refused when the retry's step
+        # would be. Then the budget is put back at once (a region that still holds blocks
+        # of the failed fit() drains: it serves nothing and goes back with them).
         pool, budget = self._pool, self._budget
-        failed = _advisor.Point(batch_size=b0, peak_bytes=needed, batch_bytes=batch_live,
+
+        def pooled(s):
+            return s["bytes_in_use"] - s["overshoot_bytes_in_use"] - s["passthrough_bytes_in_use"]
+
+        gc.collect()
+        extra = max(pooled(pool.stats()) - pooled(self._start), 0)
+        failed = _advisor.Point(batch_size=b0, peak_bytes=needed + extra, batch_bytes=batch_live,
                                 base_bytes=self._start["bytes_in_use"], fits=False)
-        known = [p for p in self._points if p.batch_size < b0 and p.fits] + [failed]
+        known = [failed]
         self._in_trials = True
         try:
-            found, _ = _advisor.search(self.model, self._fit_x, self._fit_y, budget, pool,
-                                       points=known, trials=self.oom_trials, headroom=self.headroom)
+            if extra:
+                pool.set_limit(budget + extra)
+            found, _ = _advisor.search(self.model, self._fit_x, self._fit_y, budget + extra, pool,
+                                       points=known, trials=self.oom_trials, headroom=self.headroom,
+                                       hold=_advisor.fit_holds(self._fit_x, self._fit_y, copies=False,
+                                                               framework=_backend.framework()))
         finally:
             self._in_trials = False
+            if extra:
+                gc.collect()
+                pool.release_unused()
+                pool.set_limit(budget, drain=True)
         if not found.measured:
             return None
         # A lone trial step meets the budget in one layout of the pool; a run goes
