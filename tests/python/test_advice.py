@@ -60,12 +60,11 @@ def test_suggested_batch_size_trains_without_running_out(kind, budget, batch):
     assert fits(kind, budget, size)["fits"], f"suggested {size} ran out of memory"
 
 
-# The suggestion is measured by trial steps after the first epoch, then 5% is taken off
-# (a lone step that fits can be lucky: the CNN's suggestion of 94 once ran out with 96 the
-# largest that fitted). Measured over the largest size found by bisection: MLP 0.82-0.94,
-# CNN ~0.92, LSTM ~0.88; the MLP sits at 0.85 on average (0.9 of the budget targeted, times
-# 0.95), so this stays a measurement that may fail, not hidden: see benchmarks/NOTES.md.
-@pytest.mark.xfail(reason="the MLP's measured suggestion is 0.82-0.94 of the largest size that fits", strict=False)
+# The 85% target is met for the CNN and the LSTM; for the MLP the one-step estimate stays
+# on the safe side by too much (0.77 measured; MemGuardCallback(advice_trials=3) measures
+# 0.87, but is off by default: near a fragmentation-decided limit its answer ran out). Kept
+# as a measurement, not hidden: see benchmarks/NOTES.md ("Batch-size advice").
+@pytest.mark.xfail(reason="the MLP's one-step suggestion is ~0.77 of the largest size that fits", strict=False)
 @pytest.mark.parametrize("kind,budget,batch", CASES)
 def test_suggested_batch_size_is_at_least_85_percent_of_the_largest(kind, budget, batch):
     size = suggestion(kind, budget, batch)

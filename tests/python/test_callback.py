@@ -149,6 +149,24 @@ def _oom_run():
     """, env=HARD)
 
 
+def test_measured_advice_runs_trial_steps_and_leaves_the_run_as_it_was():
+    r = run(SETUP, """
+        tf_memguard.install(max_bytes="96MiB")   # the run's peak: about 53 MiB, over half
+        m = make()
+        cb = tf_memguard.MemGuardCallback(verbose=0, advice_trials=3)
+        h = m.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[cb])
+        rep = tf_memguard.report()
+        emit(iterations=int(m.optimizer.iterations.numpy()), method=rep.suggestion_method,
+             size=rep.suggested_batch_size, limit=tf_memguard.stats()["bytes_limit"],
+             epochs=len(h.history["loss"]))
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["method"] == "3 trial steps" and d["size"] >= 64, d
+    assert d["iterations"] == 2 * 1024 // 64  # the trials' steps were taken back
+    assert d["limit"] == 96 << 20 and d["epochs"] == 2
+
+
 def test_find_batch_size_restores_the_model_exactly_and_its_answer_fits():
     r = run(SETUP, """
         tf_memguard.install(max_bytes="128MiB")
