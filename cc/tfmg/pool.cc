@@ -561,12 +561,18 @@ void pool::free_in_draining_locked(block* b) {
   if (b->prev == nullptr && b->next == nullptr) release_region_locked(b->owner);
 }
 
-void pool::release_region_locked(region* r) {
+void pool::return_region_locked(region* r) {
+  // r holds one free block, r->first; the caller removes r from regions_.
+  if (!r->draining) erase_free_locked(r->first);
   recycle_block_locked(r->first);
   if (backs_) backed_ -= upstream_->discard(reinterpret_cast<void*>(r->base), r->size);
   upstream_->deallocate(reinterpret_cast<void*>(r->base), r->size, upstream_->page_size(), true);
   reserved_ -= r->size;
   if (r->draining) draining_ -= r->size;
+}
+
+void pool::release_region_locked(region* r) {
+  return_region_locked(r);
   for (auto it = regions_.begin(); it != regions_.end(); ++it) {
     if (it->get() == r) {
       regions_.erase(it);
@@ -597,13 +603,8 @@ std::size_t pool::release_unused_locked() {
   for (auto it = regions_.begin(); it != regions_.end(); ++it) {
     region* r = it->get();
     if (r->first->free && r->first->next == nullptr) {
-      if (!r->draining) erase_free_locked(r->first);
-      recycle_block_locked(r->first);
-      if (backs_) backed_ -= upstream_->discard(reinterpret_cast<void*>(r->base), r->size);
-      upstream_->deallocate(reinterpret_cast<void*>(r->base), r->size, upstream_->page_size(), true);
-      reserved_ -= r->size;
-      if (r->draining) draining_ -= r->size;
       released += r->size;
+      return_region_locked(r);
       it->reset();
     } else {
       if (keep != it) *keep = std::move(*it);

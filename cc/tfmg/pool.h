@@ -174,7 +174,8 @@ class pool {
   std::size_t release_unused_locked();
   void drain_region_locked(region* r);
   void free_in_draining_locked(block* b);
-  void release_region_locked(region* r);
+  void return_region_locked(region* r);   // to the upstream, counters updated
+  void release_region_locked(region* r);  // the same, and out of regions_
   void* allocate_direct_locked(std::size_t size, std::size_t alignment, bool overshoot,
                                unsigned flags, pool_error* error);
   void free_block_locked(block* b);
