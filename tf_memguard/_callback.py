@@ -346,22 +346,19 @@ class MemGuardCallback(keras.callbacks.Callback):
 
     def _measure_suggestion(self):
         """Trial steps beside the running fit() (its data and iterator in the pool, as
-        for its own steps), from the profiled step towards the budget; the model's weights
-        and optimizer state are restored. A line through the two largest steps that
-        fitted, capped below any that did not, gives the size whose peak reaches
-        (1 - headroom) of the budget. None without array data or trials."""
+        for its own steps), from the running batch size towards where peak memory reaches
+        (1 - headroom) of the budget; the model's weights and optimizer state are
+        restored. The largest size whose trial fitted, minus ADVICE_MARGIN. None without
+        array data or trials, or when fewer than two trials fitted."""
         if not self.advice_trials or not _is_arrays(self._fit_x):
             return None
-        # fit() keeps batches prepared ahead (tf.data's prefetch; two were measured); a
-        # trial's are the running batch size's, so it holds the difference.
-        per_sample = sum(int(a.nbytes) // max(int(a.shape[0]), 1)
-                         for part in (self._fit_x, self._fit_y) if part is not None
-                         for a in keras.tree.flatten(part))
-        prefetched = 2 if _backend.framework() == "tensorflow" else 0
+        # What fit() holds beside a step at a larger size (batches prepared ahead) beyond
+        # what it holds now at the running size; its copy of the data is there already.
+        fit_hold = _advisor.fit_holds(self._fit_x, self._fit_y, copies=False, framework=_backend.framework())
         b0 = self._run_batch
 
         def hold(size):
-            return [max(size - b0, 0) * per_sample * prefetched]
+            return [max(fit_hold(size)[0] - fit_hold(b0)[0], 0)]
 
         self._in_trials = True
         try:
@@ -374,7 +371,6 @@ class MemGuardCallback(keras.callbacks.Callback):
             return None
         finally:
             self._in_trials = False
-        self._trial_points = points
         line = _advisor.suggest(points, self._budget, headroom=self.headroom, max_batch=self._num_samples())
         fitted = [p.batch_size for p in points if p.fits]
         if line is None or len(fitted) < 2:
