@@ -192,3 +192,26 @@ def test_leak_rule():
     assert leak_verdict([10 * MiB, 20 * MiB, 30 * MiB, 40 * MiB]).startswith("possible leak: live bytes at epoch end grew 3")
     assert leak_verdict([10 * MiB, 20 * MiB, 20 * MiB, 40 * MiB]) == "no leak"
     assert leak_verdict([10 * MiB, 10 * MiB + 1000, 10 * MiB + 2000, 10 * MiB + 3000]) == "no leak"
+
+
+def test_a_growth_too_small_to_trust_keeps_the_running_batch_size():
+    # The one-step estimate of a step that peaked at 88% of the budget would grow 76 to
+    # 78 (10% headroom); so near the limit the pool's layout decides, and 78 ran out once
+    # where 76 fitted: the running size is suggested. Far below the budget it grows.
+    from tf_memguard import _advisor
+    from tf_memguard._callback import MemGuardCallback
+
+    MiB = 1 << 20
+
+    def suggested(peak_mib):
+        cb = MemGuardCallback(verbose=0)
+        cb._budget, cb._run_batch, cb._records, cb._measured = 80 * MiB, 76, [], None
+        cb._fit_x = None  # no arrays: no dataset size to clip to
+        cb._points = [_advisor.Point(batch_size=76, peak_bytes=peak_mib * MiB, batch_bytes=40 * MiB,
+                                     base_bytes=20 * MiB, max_batch_bytes=40 * MiB,
+                                     in_use_at_max_batch=peak_mib * MiB)]
+        return cb._suggest().batch_size
+
+    assert suggested(70.4) == 76          # the estimate alone says 78
+    assert suggested(40) > 76 * 1.1       # room to grow: it does
+    assert suggested(78) < 76             # over the headroom: it shrinks
