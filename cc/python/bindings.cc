@@ -93,6 +93,9 @@ py::dict stats_dict(const tfmg_stats& s) {
   d["window_peak_batch_bytes"] = s.window_peak_batch_bytes;
   d["window_max_batch_bytes"] = s.window_max_batch_bytes;
   d["window_in_use_at_max_batch"] = s.window_in_use_at_max_batch;
+  d["window_tight_request_bytes"] = s.window_tight_request_bytes;
+  d["window_tight_largest_free_bytes"] = s.window_tight_largest_free_bytes;
+  d["window_tight_in_use_bytes"] = s.window_tight_in_use_bytes;
   static const char* const kinds[] = {"other", "kernel", "tensor", "raw"};
   py::dict by_kind, bytes_by_kind;
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {

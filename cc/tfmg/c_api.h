@@ -114,6 +114,13 @@ typedef struct tfmg_stats {
   int64_t window_peak_batch_bytes; /* batch-tagged bytes live at the window peak */
   int64_t window_max_batch_bytes;  /* the most batch-tagged bytes live at once in the window */
   int64_t window_in_use_at_max_batch; /* bytes in use at that moment */
+  /* The window's tightest fit: of the requests the pool's regions served, the one that
+   * left the least room in the largest free block (largest free block before it, minus
+   * its size). How near the window came to a refusal by layout, not by bytes: a larger
+   * step meets that moment with larger requests and less room. 0 when none. */
+  int64_t window_tight_request_bytes;      /* that request (rounded) */
+  int64_t window_tight_largest_free_bytes; /* the largest free block just before it */
+  int64_t window_tight_in_use_bytes;       /* bytes in use just before it */
   int64_t overshoots_by_kind[TFMG_NUM_KINDS];      /* cumulative, indexed by TFMG_KIND_* */
   int64_t overshoot_bytes_by_kind[TFMG_NUM_KINDS]; /* cumulative bytes granted over budget */
   /* 1 - largest_free_block_bytes / bytes_free, in [0, 1); 0 when nothing is free.

@@ -5,6 +5,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <limits>
+#include <unordered_set>
 
 namespace tfmg {
 namespace {
@@ -42,6 +43,9 @@ pool::pool(std::unique_ptr<upstream> up, const pool_config& config)
       granule_(config.alignment != 0 ? config.alignment : upstream_->default_alignment()),
       small_threshold_(config.small_threshold),
       first_region_bytes_(config.region_bytes),
+      granule_shift_(static_cast<unsigned>(__builtin_ctzll(granule_))),
+      lists_(kExact, nullptr),
+      list_bits_(kExactWords, 0),
       direct_(16, std::hash<std::uintptr_t>{}, std::equal_to<std::uintptr_t>{},
               node_allocator<std::pair<const std::uintptr_t, direct_block>>(&arena_)),
       next_region_bytes_(config.region_bytes),
@@ -63,15 +67,77 @@ unsigned pool::bin_of(std::size_t size) {
 }
 
 void pool::insert_free_locked(block* b) {
+  if (exact(b->size)) {
+    const std::size_t n = b->size >> granule_shift_;
+    block* head = lists_[n];
+    if (head != nullptr && b->addr < head->addr) {
+      // The head stays the block at the higher address of the two.
+      b->fprev = head;
+      b->fnext = head->fnext;
+      if (b->fnext != nullptr) b->fnext->fprev = b;
+      head->fnext = b;
+      ++listed_;
+      return;
+    }
+    b->fprev = nullptr;
+    b->fnext = head;
+    if (head != nullptr) head->fprev = b;
+    lists_[n] = b;
+    const std::size_t w = n / 64;
+    list_bits_[w] |= std::uint64_t{1} << (n % 64);
+    list_mids_[w / 64] |= std::uint64_t{1} << (w % 64);
+    list_top_ |= std::uint64_t{1} << (w / 64);
+    ++listed_;
+    return;
+  }
   b->bin = bin_of(b->size);
   b->where = bins_[b->bin].insert(free_key{b->size, b->addr, b}).first;
   bin_bits_[b->bin / 64] |= std::uint64_t{1} << (b->bin % 64);
 }
 
 void pool::erase_free_locked(block* b) {
+  if (exact(b->size)) {
+    const std::size_t n = b->size >> granule_shift_;
+    if (b->fnext != nullptr) b->fnext->fprev = b->fprev;
+    if (b->fprev != nullptr) {
+      b->fprev->fnext = b->fnext;
+    } else {
+      lists_[n] = b->fnext;
+      if (b->fnext == nullptr) {
+        const std::size_t w = n / 64;
+        list_bits_[w] &= ~(std::uint64_t{1} << (n % 64));
+        if (list_bits_[w] == 0) {
+          list_mids_[w / 64] &= ~(std::uint64_t{1} << (w % 64));
+          if (list_mids_[w / 64] == 0) list_top_ &= ~(std::uint64_t{1} << (w / 64));
+        }
+      }
+    }
+    --listed_;
+    return;
+  }
   free_set& set = bins_[b->bin];
   set.erase(b->where);
   if (set.empty()) bin_bits_[b->bin / 64] &= ~(std::uint64_t{1} << (b->bin % 64));
+}
+
+pool::block* pool::exact_fit_locked(std::size_t n) const {
+  // Level 0: the rest of n's own word; level 1: the rest of its group of 64 words;
+  // level 2: the next non-empty group.
+  std::size_t w = n / 64;
+  std::uint64_t bits = list_bits_[w] & (~std::uint64_t{0} << (n % 64));
+  if (bits == 0) {
+    std::size_t m = w / 64;
+    std::uint64_t mids = (w % 64 == 63) ? 0 : list_mids_[m] & (~std::uint64_t{0} << (w % 64 + 1));
+    if (mids == 0) {
+      const std::uint64_t top = (m == 63) ? 0 : list_top_ & (~std::uint64_t{0} << (m + 1));
+      if (top == 0) return nullptr;
+      m = static_cast<std::size_t>(__builtin_ctzll(top));
+      mids = list_mids_[m];
+    }
+    w = m * 64 + static_cast<std::size_t>(__builtin_ctzll(mids));
+    bits = list_bits_[w];
+  }
+  return lists_[w * 64 + static_cast<std::size_t>(__builtin_ctzll(bits))];
 }
 
 pool::block* pool::largest_free_block_locked() const {
@@ -81,11 +147,14 @@ pool::block* pool::largest_free_block_locked() const {
       return bins_[bin].rbegin()->b;
     }
   }
-  return nullptr;
+  if (list_top_ == 0) return nullptr;
+  const std::size_t m = 63u - static_cast<std::size_t>(__builtin_clzll(list_top_));
+  const std::size_t w = m * 64 + 63u - static_cast<std::size_t>(__builtin_clzll(list_mids_[m]));
+  return lists_[w * 64 + 63u - static_cast<std::size_t>(__builtin_clzll(list_bits_[w]))];
 }
 
 std::size_t pool::free_block_count_locked() const {
-  std::size_t n = 0;
+  std::size_t n = listed_;
   for (const free_set& set : bins_) n += set.size();
   return n;
 }
@@ -125,6 +194,16 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
     refuse_locked(bytes, alignment, flags, error);
     return nullptr;
   }
+  {
+    // The window's tightest fit (see tfmg_stats): one bitmap lookup.
+    const std::size_t largest = largest_free_locked();
+    if (largest - size < window_tight_slack_) {
+      window_tight_slack_ = largest - size;
+      window_tight_request_ = size;
+      window_tight_largest_ = largest;
+      window_tight_in_use_ = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
+    }
+  }
   b = carve_locked(b, size, alignment, small);
   if (backs_) {
     std::size_t added = 0;
@@ -158,6 +237,11 @@ pool::block* pool::find_fit_locked(std::size_t size, std::size_t alignment, bool
   // With an alignment above the granule, a block this much larger always has room
   // for the padding in front.
   free_key key{size + (alignment > granule_ ? alignment - granule_ : 0), 0, nullptr};
+  if (exact(key.size)) {
+    block* b = exact_fit_locked(key.size >> granule_shift_);
+    if (b != nullptr) return b;
+    key.size = kExact << granule_shift_;  // the smallest block of the trees
+  }
   unsigned bin = bin_of(key.size);
   const free_set* set = &bins_[bin];
   auto it = set->lower_bound(key);
@@ -253,8 +337,13 @@ void pool::unlink(block* x) {
 void pool::rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size) {
   // When the new key stays in the same bin and between the same tree neighbours, the
   // node is updated in place: no erase, no insert, no rebalancing.
-  const free_key key{size, addr, b};
-  if (bin_of(size) == b->bin) {
+  if (exact(b->size) && exact(size)) {
+    if (size == b->size) {
+      b->addr = addr;  // lists are not ordered by address
+      return;
+    }
+  } else if (!exact(b->size) && !exact(size) && bin_of(size) == b->bin) {
+    const free_key key{size, addr, b};
     free_set& set = bins_[b->bin];
     const bool after_prev = b->where == set.begin() || *std::prev(b->where) < key;
     const bool before_next = std::next(b->where) == set.end() || key < *std::next(b->where);
@@ -628,6 +717,11 @@ void pool::release_all() {
   live_.clear();
   for (free_set& set : bins_) set.clear();
   std::fill(std::begin(bin_bits_), std::end(bin_bits_), 0);
+  std::fill(lists_.begin(), lists_.end(), nullptr);
+  std::fill(list_bits_.begin(), list_bits_.end(), 0);
+  std::fill(std::begin(list_mids_), std::end(list_mids_), 0);
+  list_top_ = 0;
+  listed_ = 0;
   spare_blocks_.clear();
   block_chunks_.clear();
   reserved_ = draining_ = backed_ = pooled_in_use_ = passthrough_in_use_ = overshoot_in_use_ = batch_in_use_ = 0;
@@ -679,6 +773,9 @@ void pool::fill_stats_locked(tfmg_stats* s) const {
   s->window_peak_batch_bytes = static_cast<std::int64_t>(window_peak_batch_);
   s->window_max_batch_bytes = static_cast<std::int64_t>(window_max_batch_);
   s->window_in_use_at_max_batch = static_cast<std::int64_t>(window_in_use_at_max_batch_);
+  s->window_tight_request_bytes = static_cast<std::int64_t>(window_tight_request_);
+  s->window_tight_largest_free_bytes = static_cast<std::int64_t>(window_tight_largest_);
+  s->window_tight_in_use_bytes = static_cast<std::int64_t>(window_tight_in_use_);
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
     s->overshoots_by_kind[k] = overshoots_by_kind_[k];
     s->overshoot_bytes_by_kind[k] = overshoot_bytes_by_kind_[k];
@@ -710,6 +807,8 @@ void pool::reset_peak() {
   window_peak_batch_ = batch_in_use_;
   window_max_batch_ = batch_in_use_;
   window_in_use_at_max_batch_ = window_peak_;
+  window_tight_slack_ = SIZE_MAX;
+  window_tight_request_ = window_tight_largest_ = window_tight_in_use_ = 0;
 }
 
 bool pool::last_refusal(tfmg_refusal* out) const {
@@ -783,6 +882,17 @@ bool pool::is_valid(std::string* why) const {
     if (why != nullptr) *why = what;
     return false;
   };
+  // The exact lists first: every listed block once, free in a serving region, in the
+  // list of its size, linked both ways.
+  std::unordered_set<const block*> listed;
+  for (std::size_t n = 0; n < kExact; ++n) {
+    for (const block* x = lists_[n], *before = nullptr; x != nullptr; before = x, x = x->fnext) {
+      if (!x->free || x->owner->draining || (x->size >> granule_shift_) != n || x->fprev != before ||
+          !listed.insert(x).second) {
+        return fail("list " + std::to_string(n) + " holds a block that is not free there, or a broken link");
+      }
+    }
+  }
   std::size_t reserved = 0, used = 0, free_blocks = 0, used_blocks = 0;
   for (const auto& r : regions_) {
     reserved += r->size;
@@ -805,8 +915,12 @@ bool pool::is_valid(std::string* why) const {
       } else if (b->free) {
         ++free_blocks;
         if (prev != nullptr && prev->free) return fail(where + ": two free neighbours not coalesced");
-        if (b->bin != bin_of(b->size) || b->where->b != b || b->where->size != b->size ||
-            b->where->addr != b->addr || bins_[b->bin].find(*b->where) != b->where) {
+        if (exact(b->size)) {
+          // Checked from the lists' side below: every listed block is free, in the list
+          // of its size, linked both ways; here that it is listed at all.
+          if (listed.count(b) == 0) return fail(where + ": free but not in the list of its size");
+        } else if (b->bin != bin_of(b->size) || b->where->b != b || b->where->size != b->size ||
+                   b->where->addr != b->addr || bins_[b->bin].find(*b->where) != b->where) {
           return fail(where + ": free but not indexed in its bin");
         }
       } else {
@@ -823,7 +937,22 @@ bool pool::is_valid(std::string* why) const {
   for (unsigned i = 0; i < kBins; ++i) {
     const bool bit = (bin_bits_[i / 64] >> (i % 64)) & 1;
     if (bit == bins_[i].empty()) return fail("bin bitmap disagrees with bin " + std::to_string(i));
+    for (const free_key& k : bins_[i]) {
+      if (exact(k.size)) return fail("a tree bin holds a block of an exact size");
+    }
   }
+  for (std::size_t n = 0; n < kExact; ++n) {
+    const bool bit = (list_bits_[n / 64] >> (n % 64)) & 1;
+    if (bit != (lists_[n] != nullptr)) return fail("list bitmap disagrees with list " + std::to_string(n));
+  }
+  for (std::size_t w = 0; w < kExactWords; ++w) {
+    const bool mid = (list_mids_[w / 64] >> (w % 64)) & 1;
+    if (mid != (list_bits_[w] != 0)) return fail("list bitmap level 1 disagrees at word " + std::to_string(w));
+  }
+  for (std::size_t m = 0; m < kExactMids; ++m) {
+    if (((list_top_ >> m) & 1) != (list_mids_[m] != 0)) return fail("list bitmap level 2 disagrees");
+  }
+  if (listed.size() != listed_) return fail("the count of listed free blocks is wrong");
   if (free_blocks != free_block_count_locked()) return fail("free index holds blocks that are not free");
   if (used_blocks != live_.size()) return fail("live map holds blocks that are not in use");
   if (used != pooled_in_use_) return fail("bytes in use do not match the blocks in use");

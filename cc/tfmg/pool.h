@@ -129,8 +129,10 @@ class pool {
     region* owner;
     bool free;
     bool batch;                // in use and tagged TFMG_ALLOC_BATCH
-    unsigned bin;              // while free: its bin, and its place in that bin's set
+    unsigned bin;              // while free in a tree bin: its bin, and its place there
     free_set::iterator where;
+    block* fprev;              // while free in an exact list: its list neighbours
+    block* fnext;
   };
   struct region {
     std::uintptr_t base;
@@ -150,13 +152,20 @@ class pool {
                          std::equal_to<std::uintptr_t>,
                          node_allocator<std::pair<const std::uintptr_t, direct_block>>>;
 
-  // Free blocks are kept in bins by size class (eight per power of two), each bin a
-  // tree ordered by (size, address), and a bitmap of the non-empty bins. Every block of
-  // a bin is larger than every block of the bins below it, so best fit is: the lower
-  // bound in the request's own bin, else the smallest block of the next non-empty bin.
-  // Trees stay small (a few blocks each), and a free block erases itself through its
-  // stored iterator.
+  // The free index. Blocks of fewer than kExact granules (2 MiB on host, 8 MiB on a
+  // GPU) sit in one list per exact size, under a three-level bitmap of the non-empty
+  // lists: best fit is the head of the first non-empty list at or above the request,
+  // found with three bit scans, and every insert or erase is O(1). Larger free blocks
+  // are kept in bins by size class (eight per power of two), each bin a tree ordered by
+  // (size, address), and a bitmap of the non-empty bins. Every block of a bin is larger
+  // than every block of the bins below it, so best fit there is: the lower bound in the
+  // request's own bin, else the smallest block of the next non-empty bin.
   static constexpr unsigned kBins = 512;
+  static constexpr std::size_t kExact = std::size_t{1} << 15;
+  static constexpr std::size_t kExactWords = kExact / 64;   // level 0: one bit per list
+  static constexpr std::size_t kExactMids = kExactWords / 64;  // level 1: one bit per word
+  bool exact(std::size_t size) const { return (size >> granule_shift_) < kExact; }
+  block* exact_fit_locked(std::size_t n) const;  // first listed block of >= n granules
   static unsigned bin_of(std::size_t size);
   void insert_free_locked(block* b);
   void rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size);
@@ -196,6 +205,12 @@ class pool {
   const std::size_t granule_;
   const std::size_t small_threshold_;
   const std::size_t first_region_bytes_;
+  const unsigned granule_shift_;
+  std::vector<block*> lists_;                 // kExact heads; index: size in granules
+  std::vector<std::uint64_t> list_bits_;      // kExactWords
+  std::uint64_t list_mids_[kExactMids] = {};  // bit w: list_bits_[w] != 0
+  std::uint64_t list_top_ = 0;                // bit m: list_mids_[m] != 0
+  std::size_t listed_ = 0;                    // free blocks in the exact lists
 
   mutable std::mutex mutex_;
   node_arena arena_;  // declared before the containers that use it
@@ -230,6 +245,10 @@ class pool {
   std::size_t window_peak_batch_ = 0;
   std::size_t window_max_batch_ = 0;      // most batch-tagged bytes live at once
   std::size_t window_in_use_at_max_batch_ = 0;
+  std::size_t window_tight_slack_ = SIZE_MAX;  // largest free block minus request, least
+  std::size_t window_tight_request_ = 0;
+  std::size_t window_tight_largest_ = 0;
+  std::size_t window_tight_in_use_ = 0;
   std::size_t peak_reserved_ = 0;
   std::size_t peak_overshoot_ = 0;
   std::size_t largest_alloc_ = 0;

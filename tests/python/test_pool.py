@@ -353,4 +353,28 @@ def test_a_pool_backed_on_demand_reserves_what_its_blocks_need():
     ctypes.memset(again, 1, 8 * MiB)  # backed again on demand
     pool.free(again)
     pool.free(blocks[0])
-    pool.check()
+    assert pool.check()
+
+
+def test_the_window_records_its_tightest_fit():
+    # A 1 MiB pool as [A 256K][hole 256K][C 256K][free tail 256K]: a 200 KiB request
+    # meets a largest free block of 256 KiB (56 KiB of room), a later 16 KiB one meets
+    # the same block again (240 KiB of room): the first is the window's tightest fit.
+    KiB = 1 << 10
+    pool = tf_memguard.Pool(max_bytes=1 * MiB)
+    a, b, c = (pool.allocate(256 * KiB) for _ in range(3))
+    pool.free(b)
+    pool.reset_peak()
+    s = pool.stats()
+    assert s["window_tight_request_bytes"] == 0   # nothing served in the window yet
+    x = pool.allocate(200 * KiB)
+    y = pool.allocate(16 * KiB)
+    s = pool.stats()
+    assert s["window_tight_request_bytes"] == 200 * KiB
+    assert s["window_tight_largest_free_bytes"] == 256 * KiB
+    assert s["window_tight_in_use_bytes"] == 512 * KiB
+    pool.reset_peak()
+    assert pool.stats()["window_tight_request_bytes"] == 0
+    for p in (a, c, x, y):
+        pool.free(p)
+    assert pool.check()
