@@ -129,7 +129,9 @@ class MemGuardCallback(keras.callbacks.Callback):
         warn_at: fraction of the budget at which an epoch's peak draws a warning.
             Defaults to 0.9.
         headroom: fraction of the budget a suggested batch size leaves free, for the
-            pool's fragmentation and what the model of the step misses. Defaults to 0.1.
+            pool's fragmentation and what the model of the step misses. Defaults to
+            0.15 (TensorFlow runs that ran out by layout did so with up to 12% of the
+            budget free: see benchmarks/NOTES.md).
         batch_size: the training batch size, if it cannot be learned from fit().
             Defaults to None.
         verbose: 0 silences the per-epoch lines and the report; "auto" follows fit()'s
@@ -154,7 +156,7 @@ class MemGuardCallback(keras.callbacks.Callback):
         >>> print(tf_memguard.report())
     """
 
-    def __init__(self, device=None, warn_at=0.9, headroom=0.1, batch_size=None, verbose="auto",
+    def __init__(self, device=None, warn_at=0.9, headroom=0.15, batch_size=None, verbose="auto",
                  leak_epochs=3, profile_steps=2, oom_trials=3, advice_trials=0):
         super().__init__()
         self.device = _install.normalize_device(device) if device is not None else None

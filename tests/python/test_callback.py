@@ -204,7 +204,7 @@ def test_a_growth_too_small_to_trust_keeps_the_running_batch_size():
     MiB = 1 << 20
 
     def suggested(peak_mib):
-        cb = MemGuardCallback(verbose=0)
+        cb = MemGuardCallback(verbose=0, headroom=0.1)
         cb._budget, cb._run_batch, cb._records, cb._measured = 80 * MiB, 76, [], None
         cb._fit_x = None  # no arrays: no dataset size to clip to
         cb._points = [_advisor.Point(batch_size=76, peak_bytes=peak_mib * MiB, batch_bytes=40 * MiB,
