@@ -96,6 +96,8 @@ py::dict stats_dict(const tfmg_stats& s) {
   d["window_tight_request_bytes"] = s.window_tight_request_bytes;
   d["window_tight_largest_free_bytes"] = s.window_tight_largest_free_bytes;
   d["window_tight_in_use_bytes"] = s.window_tight_in_use_bytes;
+  d["num_reclaims"] = s.num_reclaims;
+  d["bytes_reclaimed"] = s.bytes_reclaimed;
   static const char* const kinds[] = {"other", "kernel", "tensor", "raw"};
   py::dict by_kind, bytes_by_kind;
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
@@ -141,7 +143,7 @@ class Pool {
  public:
   Pool(const py::object& max_bytes, const py::object& alignment, const py::object& region_bytes,
        const py::object& small_threshold, const py::object& trace_capacity, const std::string& upstream,
-       int device) {
+       int device, const py::object& address_factor, double trim_above_peak) {
     tfmg_pool_options o;
     tfmg_pool_options_init(&o);
     o.upstream = parse_upstream(upstream);
@@ -151,6 +153,8 @@ class Pool {
     o.region_bytes = to_u64(region_bytes, "region_bytes", true);
     o.small_threshold = to_u64(small_threshold, "small_threshold", false);
     o.trace_capacity = to_u64(trace_capacity, "trace_capacity", false);
+    o.address_factor = to_u64(address_factor, "address_factor", false);
+    o.trim_above_peak = trim_above_peak;
     call([&] { return tfmg_pool_create(&o, &pool_); });
   }
   // A process-wide device pool: shared with the TensorFlow plugin, never destroyed.
@@ -361,10 +365,10 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<Pool>(m, "Pool")
       .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&,
-                    const py::object&, const std::string&, int>(),
+                    const py::object&, const std::string&, int, const py::object&, double>(),
            py::arg("max_bytes") = 0, py::arg("alignment") = 0, py::arg("region_bytes") = 0,
            py::arg("small_threshold") = 0, py::arg("trace_capacity") = 0, py::arg("upstream") = "host",
-           py::arg("device") = 0)
+           py::arg("device") = 0, py::arg("address_factor") = 0, py::arg("trim_above_peak") = 0.0)
       .def("allocate", &Pool::allocate, py::arg("nbytes"), py::arg("alignment") = 0,
            py::arg("must_succeed") = false, py::arg("batch") = false)
       .def("free", &Pool::free, py::arg("address"))

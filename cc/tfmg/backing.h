@@ -72,6 +72,37 @@ class backing_map {
     return true;
   }
 
+  // Bytes that back(p, bytes) would map: the granules of the range with nothing under them.
+  std::size_t missing(std::uintptr_t p, std::size_t bytes) const {
+    if (bytes == 0) return 0;
+    auto it = regions_.upper_bound(p);
+    if (it == regions_.begin()) return 0;
+    --it;
+    const std::uintptr_t base = it->first;
+    if (p >= base + it->second.size() * granule_) return 0;
+    std::size_t n = 0;
+    const std::size_t last = (p + bytes - 1 - base) / granule_;
+    for (std::size_t g = (p - base) / granule_; g <= last && g < it->second.size(); ++g) {
+      n += it->second[g] == 0;
+    }
+    return n * granule_;
+  }
+
+  // Bytes discard(p, bytes) would unmap: backed granules wholly inside the range.
+  std::size_t inside(std::uintptr_t p, std::size_t bytes) const {
+    auto it = regions_.upper_bound(p);
+    if (bytes == 0 || it == regions_.begin()) return 0;
+    --it;
+    const std::uintptr_t base = it->first;
+    if (p >= base + it->second.size() * granule_) return 0;
+    const std::size_t first = (p - base + granule_ - 1) / granule_;
+    std::size_t end = (p + bytes - base) / granule_;
+    if (end > it->second.size()) end = it->second.size();
+    std::size_t n = 0;
+    for (std::size_t k = first; k < end; ++k) n += it->second[k] != 0;
+    return n * granule_;
+  }
+
   // Unmaps the granules wholly inside [p, p + bytes); returns the bytes unmapped.
   // before() runs once, before the first granule is unmapped.
   template <class Before, class Unmap>

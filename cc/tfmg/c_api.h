@@ -23,7 +23,7 @@ extern "C" {
 
 /* Bumped whenever a struct below or a function signature changes; the plugin and the
  * bindings refuse a core whose version differs from the header they were built with. */
-#define TFMG_ABI_VERSION 1
+#define TFMG_ABI_VERSION 2  /* 2: tfmg_stats' window_tight_*, options' address_factor */
 
 typedef enum tfmg_status {
   TFMG_OK = 0,
@@ -86,6 +86,15 @@ typedef struct tfmg_pool_options {
   uint64_t trace_capacity;
   tfmg_upstream_kind upstream;
   int32_t device; /* CUDA device ordinal for the CUDA upstreams */
+  /* Where the upstream backs on demand (CUDA virtual memory, host_on_demand): address
+   * space reserved per byte of budget; the budget then bounds the bytes backed, and
+   * free granules are taken back when it is reached. 0 picks the default (2). */
+  uint64_t address_factor;
+  /* Where the upstream backs on demand: when backing a block would take the bytes
+   * backed above (1 + trim_above_peak) x the most bytes in use so far, free granules
+   * are taken back first: fewer bytes held, at the cost of remapping (on CUDA each
+   * reclaim waits for the device). 0 (default): off, only the budget bounds them. */
+  double trim_above_peak;
 } tfmg_pool_options;
 
 /* Statistics. The first eight fields carry TensorFlow's names and meanings
@@ -121,6 +130,10 @@ typedef struct tfmg_stats {
   int64_t window_tight_request_bytes;      /* that request (rounded) */
   int64_t window_tight_largest_free_bytes; /* the largest free block just before it */
   int64_t window_tight_in_use_bytes;       /* bytes in use just before it */
+  /* Backed on demand: times free granules were taken back to stay within the budget
+   * (on CUDA each waits for the device), and the bytes unmapped then. */
+  int64_t num_reclaims;
+  int64_t bytes_reclaimed;
   int64_t overshoots_by_kind[TFMG_NUM_KINDS];      /* cumulative, indexed by TFMG_KIND_* */
   int64_t overshoot_bytes_by_kind[TFMG_NUM_KINDS]; /* cumulative bytes granted over budget */
   /* 1 - largest_free_block_bytes / bytes_free, in [0, 1); 0 when nothing is free.

@@ -231,6 +231,13 @@ class cuda_upstream final : public upstream {
         [&](std::uintptr_t at, backing_map::handle h) { unmap(at, h); });
   }
 
+  std::size_t unbacked(const void* p, std::size_t bytes) const override {
+    return vmm() ? backing_.missing(reinterpret_cast<std::uintptr_t>(p), bytes) : 0;
+  }
+  std::size_t discardable(const void* p, std::size_t bytes) const override {
+    return vmm() ? backing_.inside(reinterpret_cast<std::uintptr_t>(p), bytes) : 0;
+  }
+
   std::size_t default_alignment() const override { return 256; }
   // The driver's granularity (2 MiB): regions and backing come in multiples of it.
   std::size_t page_size() const override { return vmm() ? backing_.granule() : 2u << 20; }

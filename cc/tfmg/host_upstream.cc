@@ -84,13 +84,12 @@ class host_upstream final : public upstream {
 // faults at once: the same bookkeeping as CUDA virtual memory, checkable on any host.
 class host_on_demand_upstream final : public upstream {
  public:
-  static constexpr std::size_t kGranule = 64u << 10;
-
-  host_on_demand_upstream() : backing_(kGranule) {}
+  explicit host_on_demand_upstream(std::size_t granule) : backing_(granule) {}
 
   void* allocate(std::size_t bytes, std::size_t alignment, bool region) override {
-    if (!region || alignment > kGranule) return plain_.allocate(bytes, alignment, region);
-    const std::size_t size = ((bytes == 0 ? 1 : bytes) + kGranule - 1) / kGranule * kGranule;
+    const std::size_t g = backing_.granule();
+    if (!region || alignment > g) return plain_.allocate(bytes, alignment, region);
+    const std::size_t size = ((bytes == 0 ? 1 : bytes) + g - 1) / g * g;
     void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) return nullptr;
     backing_.add_region(reinterpret_cast<std::uintptr_t>(p), size);
@@ -101,7 +100,8 @@ class host_on_demand_upstream final : public upstream {
     const auto base = reinterpret_cast<std::uintptr_t>(p);
     if (!region || !backing_.has_region(base)) return plain_.deallocate(p, bytes, alignment, region);
     backing_.remove_region(base, [](std::uintptr_t, backing_map::handle) {});
-    munmap(p, ((bytes == 0 ? 1 : bytes) + kGranule - 1) / kGranule * kGranule);
+    const std::size_t g = backing_.granule();
+    munmap(p, ((bytes == 0 ? 1 : bytes) + g - 1) / g * g);
   }
 
   bool backs_on_demand() const override { return true; }
@@ -116,16 +116,24 @@ class host_on_demand_upstream final : public upstream {
   }
 
   std::size_t discard(void* p, std::size_t bytes) override {
+    const std::size_t g = backing_.granule();
     return backing_.discard(
         reinterpret_cast<std::uintptr_t>(p), bytes, [] {},
-        [](std::uintptr_t at, backing_map::handle) {
-          madvise(reinterpret_cast<void*>(at), kGranule, MADV_DONTNEED);
-          mprotect(reinterpret_cast<void*>(at), kGranule, PROT_NONE);
+        [g](std::uintptr_t at, backing_map::handle) {
+          madvise(reinterpret_cast<void*>(at), g, MADV_DONTNEED);
+          mprotect(reinterpret_cast<void*>(at), g, PROT_NONE);
         });
   }
 
+  std::size_t unbacked(const void* p, std::size_t bytes) const override {
+    return backing_.missing(reinterpret_cast<std::uintptr_t>(p), bytes);
+  }
+  std::size_t discardable(const void* p, std::size_t bytes) const override {
+    return backing_.inside(reinterpret_cast<std::uintptr_t>(p), bytes);
+  }
+
   std::size_t default_alignment() const override { return plain_.default_alignment(); }
-  std::size_t page_size() const override { return kGranule; }
+  std::size_t page_size() const override { return backing_.granule(); }
   std::size_t total_memory() const override { return plain_.total_memory(); }
   const char* name() const override { return "host (backed on demand)"; }
 
@@ -137,8 +145,14 @@ class host_on_demand_upstream final : public upstream {
 }  // namespace
 
 std::unique_ptr<upstream> make_host_upstream() { return std::make_unique<host_upstream>(); }
-std::unique_ptr<upstream> make_host_on_demand_upstream() {
-  return std::make_unique<host_on_demand_upstream>();
+std::unique_ptr<upstream> make_host_on_demand_upstream(std::size_t granule) {
+  if (granule == 0) {
+    const char* env = std::getenv("TF_MEMGUARD_HOST_GRANULE");
+    granule = env != nullptr ? std::strtoull(env, nullptr, 10) : 0;
+  }
+  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  if (granule < page || (granule & (granule - 1)) != 0) granule = 64u << 10;
+  return std::make_unique<host_on_demand_upstream>(granule);
 }
 
 }  // namespace tfmg

@@ -51,6 +51,8 @@ pool::pool(std::unique_ptr<upstream> up, const pool_config& config)
       next_region_bytes_(config.region_bytes),
       limit_(config.max_bytes),
       backs_(upstream_->backs_on_demand()),
+      address_factor_(!backs_ ? 1 : config.address_factor != 0 ? config.address_factor : 2),
+      trim_(backs_ ? config.trim_above_peak : 0.0),
       trace_(config.trace_capacity) {
   assert(is_pow2(granule_));
   bins_.reserve(kBins);
@@ -194,34 +196,27 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
     refuse_locked(bytes, alignment, flags, error);
     return nullptr;
   }
-  {
-    // The window's tightest fit (see tfmg_stats): one bitmap lookup.
-    const std::size_t largest = largest_free_locked();
-    if (largest - size < window_tight_slack_) {
-      window_tight_slack_ = largest - size;
-      window_tight_request_ = size;
-      window_tight_largest_ = largest;
-      window_tight_in_use_ = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
-    }
-  }
+  const std::size_t largest = largest_free_locked();  // for the window's tightest fit
   b = carve_locked(b, size, alignment, small);
-  if (backs_) {
-    std::size_t added = 0;
-    const bool backed = upstream_->back(reinterpret_cast<void*>(b->addr), b->size, &added);
-    backed_ += added;  // a failure can leave earlier granules of the range backed
-    note_held_locked();
-    if (!backed) {
-      // The device itself is out of memory (another process holds it): the block goes
-      // back, and the request is refused like one over the budget.
-      free_block_locked(b);
-      if (flags & TFMG_ALLOC_MUST_SUCCEED) {
-        return allocate_direct_locked(size, alignment, true, flags, error);
-      }
-      refuse_locked(bytes, alignment, flags, error);
+  bool device_full = false;
+  if (backs_ && !back_block_locked(b, &device_full)) {
+    // The block goes back, and the request is refused.
+    free_block_locked(b);
+    if (flags & TFMG_ALLOC_MUST_SUCCEED) {
+      return allocate_direct_locked(size, alignment, true, flags, error);
+    }
+    refuse_locked(bytes, alignment, flags, error);
+    if (device_full) {
       error->message += " (the budget has room, but the device has no free memory to back it: "
                         "another process may be using it)";
-      return nullptr;
     }
+    return nullptr;
+  }
+  if (largest - size < window_tight_slack_) {
+    window_tight_slack_ = largest - size;
+    window_tight_request_ = size;
+    window_tight_largest_ = largest;
+    window_tight_in_use_ = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
   }
   b->batch = (flags & TFMG_ALLOC_BATCH) != 0;
   live_.insert(b->addr, b);
@@ -231,6 +226,82 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
     trace_.record(TFMG_TRACE_ALLOC, b->owner->index, b->size, b->addr - b->owner->base, b->addr);
   }
   return reinterpret_cast<void*>(b->addr);
+}
+
+bool pool::back_block_locked(block* b, bool* device_full) {
+  const std::size_t need = upstream_->unbacked(reinterpret_cast<void*>(b->addr), b->size);
+  pooled_peak_ = std::max(pooled_peak_, pooled_in_use_ + b->size);
+  if (need > 0) {
+    // Over the budget, free granules must go first (or the request is refused, nothing
+    // changed); over the trim line (trim_above_peak), they go if there are any.
+    const std::size_t after = backed_ + need;
+    const std::size_t hard = after > limit_ ? after - limit_ : 0;
+    std::size_t soft = hard;
+    if (trim_ > 0) {
+      const double line = static_cast<double>(pooled_peak_) * (1.0 + trim_);
+      const std::size_t cap = std::min(limit_, round_up(static_cast<std::size_t>(line), upstream_->page_size()));
+      soft = std::max(hard, after > cap ? after - cap : 0);
+    }
+    if (soft > 0) {
+      const std::size_t can = reclaim_locked(soft, /*dry_run=*/true);
+      if (can < hard) return false;
+      if (can > 0) {
+        bytes_reclaimed_ += static_cast<std::int64_t>(reclaim_locked(std::min(soft, can), false));
+        ++num_reclaims_;
+      }
+      if (backed_ + need > limit_) return false;
+    }
+  }
+  std::size_t added = 0;
+  const bool ok = upstream_->back(reinterpret_cast<void*>(b->addr), b->size, &added);
+  backed_ += added;  // a failure can leave earlier granules of the range backed
+  note_held_locked();
+  *device_full = !ok;
+  return ok;
+}
+
+std::size_t pool::reclaim_locked(std::size_t bytes, bool dry_run) {
+  // Largest free blocks first (the tree bins from the top, then the exact lists), and
+  // from a block only what is still needed. One walk of the free blocks at most, and
+  // only when the budget (or the trim line) is reached.
+  std::size_t gone = 0;
+  const std::size_t page = upstream_->page_size();
+  auto take = [&](block* f) {
+    void* p = reinterpret_cast<void*>(f->addr);
+    const std::size_t all = upstream_->discardable(p, f->size);
+    if (dry_run || all <= bytes - gone) {
+      if (!dry_run) backed_ -= upstream_->discard(p, f->size);
+      gone += all;
+      return gone >= bytes;
+    }
+    // Granule by granule from the block's high end: the rest stays backed for the
+    // blocks that will be carved there.
+    // Granules are counted from the region's base (host regions are only page-aligned).
+    const std::uintptr_t base = f->owner->base;
+    const std::uintptr_t lo = base + round_up(f->addr - base, page);
+    for (std::uintptr_t at = base + round_down(f->addr + f->size - base, page); at > lo && gone < bytes;
+         at -= page) {
+      const std::size_t n = upstream_->discard(reinterpret_cast<void*>(at - page), page);
+      gone += n;
+      backed_ -= n;
+    }
+    return gone >= bytes;
+  };
+  for (unsigned bin = kBins; bin-- > 0;) {
+    for (auto it = bins_[bin].rbegin(); it != bins_[bin].rend(); ++it) {
+      if (take(it->b)) return gone;
+    }
+  }
+  for (std::size_t w = kExactWords; w-- > 0;) {
+    for (std::uint64_t bits = list_bits_[w]; bits != 0;) {
+      const unsigned top = 63u - static_cast<unsigned>(__builtin_clzll(bits));
+      bits &= ~(std::uint64_t{1} << top);
+      for (block* f = lists_[w * 64 + top]; f != nullptr; f = f->fnext) {
+        if (take(f)) return gone;
+      }
+    }
+  }
+  return gone;
 }
 
 pool::block* pool::find_fit_locked(std::size_t size, std::size_t alignment, bool small) {
@@ -367,19 +438,20 @@ bool pool::grow_locked(std::size_t size, std::size_t alignment) {
   const std::size_t page = upstream_->page_size();
   const std::size_t extra = alignment > granule_ ? alignment - granule_ : 0;
   const std::size_t need = round_up(size + extra, page);
+  const std::size_t space = space_limit_locked();
   const std::size_t counted = reserved_ - draining_;
-  if (need > limit_ || need < size || counted > limit_) return false;
-  if (need > limit_ - counted) {
+  if (need > space || need < size || counted > space) return false;
+  if (need > space - counted) {
     // Returning empty regions helps only if it makes room; otherwise change nothing,
     // so that a refusal leaves every counter as it was.
     std::size_t releasable = 0;
     for (const auto& r : regions_) {
       if (r->first->free && r->first->next == nullptr && !r->draining) releasable += r->size;
     }
-    if (need > limit_ - counted + releasable) return false;
+    if (need > space - counted + releasable) return false;
     release_unused_locked();
   }
-  const std::size_t room = round_down(limit_ - (reserved_ - draining_), page);
+  const std::size_t room = round_down(space - (reserved_ - draining_), page);
   std::size_t want = std::max(need, std::min(round_up(std::min(next_region_bytes_, room), page), room));
   void* p = upstream_->allocate(want, page, true);
   if (p == nullptr && want > need) {
@@ -604,19 +676,20 @@ bool pool::set_limit(std::size_t max_bytes, bool drain, pool_error* error) {
     error->message = "max_bytes=0: a budget must be a positive number of bytes";
     return false;
   }
-  if (max_bytes < reserved_ - draining_) release_unused_locked();
+  const std::size_t space = max_bytes > SIZE_MAX / address_factor_ ? SIZE_MAX : max_bytes * address_factor_;
+  if (space < reserved_ - draining_ || (backs_ && max_bytes < backed_)) release_unused_locked();
   if (drain) {
     // The newest regions drain first (the oldest hold the longest-lived blocks).
-    for (auto it = regions_.rbegin(); it != regions_.rend() && max_bytes < reserved_ - draining_; ++it) {
+    for (auto it = regions_.rbegin(); it != regions_.rend() && space < reserved_ - draining_; ++it) {
       if (!(*it)->draining) drain_region_locked(it->get());
     }
   }
-  if (max_bytes < reserved_ - draining_) {
+  if (space < reserved_ - draining_ || (backs_ && !drain && max_bytes < backed_)) {
     error->status = TFMG_ERROR_OUT_OF_MEMORY;
     error->message = "cannot lower the budget to " + format_bytes(max_bytes) + ": " +
-                     format_bytes(reserved_ - draining_) +
-                     " is reserved in regions that still hold blocks in use. Free them first; "
-                     "the budget stays " + format_bytes(limit_) + ".";
+                     format_bytes(backs_ ? backed_ : reserved_ - draining_) +
+                     (backs_ ? " is backed under" : " is reserved in regions that still hold") +
+                     " blocks in use. Free them first; the budget stays " + format_bytes(limit_) + ".";
     return false;
   }
   limit_ = max_bytes;
@@ -744,9 +817,13 @@ std::size_t pool::largest_allocatable_locked() const {
     if (r->first->free && r->first->next == nullptr && !r->draining) releasable += r->size;
   }
   const std::size_t counted = reserved_ - draining_;
+  const std::size_t space = space_limit_locked();
   const std::size_t growable =
-      counted > limit_ ? 0 : round_down(limit_ - counted + releasable, upstream_->page_size());
-  return std::max(largest_free_locked(), growable);
+      counted > space ? 0 : round_down(space - counted + releasable, upstream_->page_size());
+  const std::size_t largest = std::max(largest_free_locked(), growable);
+  // Backed on demand, the budget bounds what can be backed: at most what is not in use.
+  return backs_ ? std::min(largest, round_down(limit_ - std::min(limit_, pooled_in_use_), upstream_->page_size()))
+                : largest;
 }
 
 void pool::fill_stats_locked(tfmg_stats* s) const {
@@ -776,6 +853,8 @@ void pool::fill_stats_locked(tfmg_stats* s) const {
   s->window_tight_request_bytes = static_cast<std::int64_t>(window_tight_request_);
   s->window_tight_largest_free_bytes = static_cast<std::int64_t>(window_tight_largest_);
   s->window_tight_in_use_bytes = static_cast<std::int64_t>(window_tight_in_use_);
+  s->num_reclaims = num_reclaims_;
+  s->bytes_reclaimed = bytes_reclaimed_;
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
     s->overshoots_by_kind[k] = overshoots_by_kind_[k];
     s->overshoot_bytes_by_kind[k] = overshoot_bytes_by_kind_[k];
@@ -960,7 +1039,9 @@ bool pool::is_valid(std::string* why) const {
   std::size_t draining = 0;
   for (const auto& r : regions_) draining += r->draining ? r->size : 0;
   if (draining != draining_) return fail("draining bytes do not match the draining regions");
-  if (limit_ != 0 && reserved_ - draining_ > limit_) return fail("reserved bytes exceed the budget");
+  if (limit_ != 0 && reserved_ - draining_ > space_limit_locked()) {
+    return fail("reserved bytes exceed the budget (times address_factor where backed on demand)");
+  }
   std::size_t pass = 0, over = 0, batch = 0;
   for (const auto& d : direct_) {
     (d.second.overshoot ? over : pass) += d.second.size;

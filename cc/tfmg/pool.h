@@ -12,11 +12,13 @@
 //   in use     bytes of blocks handed out, rounded to the granule.
 //   refusal    a request the budget could not serve; recorded with the state then.
 //
-// Placement. A request takes the smallest free block that fits (best fit; ties broken
-// by address). "Large" requests (>= small_threshold) are carved from the low end of
-// that block, small ones from the high end, so small blocks gather at the top of the
-// free space and large ones at the bottom: a long-lived small block then rarely sits
-// between two large free blocks and keeps them from merging.
+// Placement. A request takes the smallest free block that fits (best fit; ties among
+// blocks of one exact size go to the head of its list, which a newly freed block joins
+// only at a higher address than the head's; among larger blocks, by address). "Large"
+// requests (>= small_threshold) are carved from the low end of that block, small ones
+// from the high end, so small blocks gather at the top of the free space and large
+// ones at the bottom: a long-lived small block then rarely sits between two large free
+// blocks and keeps them from merging.
 //
 // Growth policy. By default the whole budget is one region, reserved at the first
 // allocation: no region boundary can split free space (with lazily grown regions, a
@@ -32,11 +34,19 @@
 // memory: see upstream::backs_on_demand), the region is address space, and the pages
 // under a block are mapped when the block is handed out; they stay mapped until
 // release_unused(). bytes_reserved then counts the bytes backed (what the device
-// gives up), never more than the budget.
+// gives up), never more than the budget. The budget bounds the bytes backed, not the
+// address space: regions reserve address_factor times the budget (2 by default), so
+// that a request rarely lacks a hole, and when backing a block would cross the budget
+// the pool first takes back the granules that lie wholly inside free blocks, largest
+// free blocks first (on CUDA that waits for the device). A request is refused only when
+// what is in use, rounded to granules, leaves no room. Fragmentation then costs address
+// space, which is free, instead of memory.
 //
-// Cost. Best fit is one lookup in a size-ordered tree of free blocks, a free is one
-// hash lookup plus O(1) neighbour checks through the blocks' address links: O(log n)
-// per call in the number of free blocks, with no scan of a block list.
+// Cost. Best fit is three bit scans over the exact-size free lists, or one lookup in a
+// size-ordered tree for blocks of 2^15 granules and more; a free is one hash lookup
+// plus O(1) neighbour checks through the blocks' address links: at most O(log n) per
+// call in the number of free blocks, with no scan of a block list. Reclaiming free
+// granules (backed on demand, at the budget only) walks the free blocks once.
 #ifndef TFMG_POOL_H_
 #define TFMG_POOL_H_
 
@@ -63,6 +73,14 @@ struct pool_config {
   std::size_t region_bytes = SIZE_MAX;  // the whole budget, up front
   std::size_t small_threshold = 1u << 20;
   std::size_t trace_capacity = 0;
+  // Where the upstream backs on demand: address space reserved per byte of budget.
+  // 0: 2 (1 where it does not back on demand, where it has no effect).
+  std::size_t address_factor = 0;
+  // Where the upstream backs on demand: when backing a block would take the bytes
+  // backed above (1 + trim_above_peak) times the largest bytes in use so far, free
+  // granules are taken back first (fewer bytes held, more remapping). 0: off, the
+  // budget alone bounds what is backed.
+  double trim_above_peak = 0.0;
 };
 
 // Thrown by the pool (and turned into statuses by the C API). Carries a message with
@@ -198,6 +216,18 @@ class pool {
   void recycle_block_locked(block* b);
   // bytes_reserved as reported: bytes backed where the upstream backs on demand.
   std::size_t held_locked() const { return backs_ ? backed_ : reserved_; }
+  // The most address space regions may take: the budget, times address_factor_ where
+  // the upstream backs on demand.
+  std::size_t space_limit_locked() const {
+    return limit_ > SIZE_MAX / address_factor_ ? SIZE_MAX : limit_ * address_factor_;
+  }
+  // Backs [b->addr, +b->size) within the budget, taking back free granules first if
+  // needed. False (nothing backed beyond what was) when the budget or the device has
+  // no room; *device_full tells which.
+  bool back_block_locked(block* b, bool* device_full);
+  // Unmaps granules wholly inside free blocks until `bytes` are gone (or all are);
+  // returns the bytes unmapped, or with dry_run those it would unmap, changing nothing.
+  std::size_t reclaim_locked(std::size_t bytes, bool dry_run);
   void note_held_locked();
   void describe_pointer_error_locked(std::uintptr_t p, pool_error* error) const;
 
@@ -231,12 +261,17 @@ class pool {
   std::size_t reserved_ = 0;  // bytes of regions (address space where backs_)
   std::size_t draining_ = 0;  // of which in draining regions (outside the budget's count)
   const bool backs_;          // the upstream backs regions on demand
+  const std::size_t address_factor_;
+  const double trim_;
+  std::size_t pooled_peak_ = 0;  // the most pooled bytes in use at once (for trim_)
   std::size_t backed_ = 0;    // bytes backed by physical memory, where backs_
 
   std::int64_t num_allocs_ = 0;
   std::int64_t num_frees_ = 0;
   std::int64_t num_refusals_ = 0;
   std::int64_t num_overshoots_ = 0;
+  std::int64_t num_reclaims_ = 0;
+  std::int64_t bytes_reclaimed_ = 0;
   std::int64_t overshoots_by_kind_[TFMG_NUM_KINDS] = {};
   std::int64_t overshoot_bytes_by_kind_[TFMG_NUM_KINDS] = {};
   std::size_t peak_in_use_ = 0;

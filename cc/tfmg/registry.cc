@@ -38,6 +38,8 @@ static void apply_environment(tfmg_pool_options* o) {
   if (const char* v = std::getenv("TF_MEMGUARD_SMALL_THRESHOLD")) o->small_threshold = std::strtoull(v, nullptr, 10);
   if (const char* v = std::getenv("TF_MEMGUARD_REGION_BYTES")) o->region_bytes = std::strtoull(v, nullptr, 10);
   if (const char* v = std::getenv("TF_MEMGUARD_TRACE_CAPACITY")) o->trace_capacity = std::strtoull(v, nullptr, 10);
+  if (const char* v = std::getenv("TF_MEMGUARD_ADDRESS_FACTOR")) o->address_factor = std::strtoull(v, nullptr, 10);
+  if (const char* v = std::getenv("TF_MEMGUARD_TRIM_ABOVE_PEAK")) o->trim_above_peak = std::strtod(v, nullptr);
 }
 
 extern "C" {

@@ -47,6 +47,21 @@ class upstream {
     return true;
   }
 
+  // The bytes back(p, bytes) would newly back (0 for upstreams that do not back on
+  // demand): the pool checks them against its budget first.
+  virtual std::size_t unbacked(const void* p, std::size_t bytes) const {
+    (void)p;
+    (void)bytes;
+    return 0;
+  }
+
+  // The bytes discard(p, bytes) would give back (0 where nothing backs on demand).
+  virtual std::size_t discardable(const void* p, std::size_t bytes) const {
+    (void)p;
+    (void)bytes;
+    return 0;
+  }
+
   // The alignment every block gets unless the request asks for more.
   virtual std::size_t default_alignment() const = 0;
   // Regions are multiples of this.
@@ -58,8 +73,9 @@ class upstream {
 
 // Host memory: mmap for regions, aligned malloc for single blocks.
 std::unique_ptr<upstream> make_host_upstream();
-// Host memory backed on demand in 64 KiB granules (mprotect): see host_upstream.cc.
-std::unique_ptr<upstream> make_host_on_demand_upstream();
+// Host memory backed on demand in granules of `granule` bytes (mprotect; a power of
+// two, at least a page; 0: 64 KiB, or TF_MEMGUARD_HOST_GRANULE): see host_upstream.cc.
+std::unique_ptr<upstream> make_host_on_demand_upstream(std::size_t granule = 0);
 
 // CUDA memory of `device` through the driver API, loaded at run time; `managed`:
 // cuMemAllocManaged, prefetched to the device. Null with *error when there is no

@@ -430,6 +430,112 @@ void test_backing_on_demand_maps_what_blocks_need_and_gives_it_back() {
   CHECK_OK(tfmg_pool_destroy(p, 0));
 }
 
+tfmg_pool* make_on_demand_pool(uint64_t budget, uint64_t address_factor = 0, double trim = 0.0) {
+  tfmg_pool_options o;
+  tfmg_pool_options_init(&o);
+  o.max_bytes = budget;
+  o.upstream = TFMG_UPSTREAM_HOST_ON_DEMAND;  // 64 KiB granules
+  o.address_factor = address_factor;
+  o.trim_above_peak = trim;
+  tfmg_pool* p = nullptr;
+  if (tfmg_pool_create(&o, &p) != TFMG_OK) std::abort();
+  return p;
+}
+
+// Backed on demand, the budget bounds the bytes backed, not the address space: a request
+// with no hole large enough among the budget's first bytes is placed higher up, and the
+// granules of free blocks are taken back to back it. Without room to reclaim, refused.
+void test_at_the_budget_free_granules_are_taken_back() {
+  constexpr uint64_t K = 1024;
+  for (uint64_t factor : {uint64_t{1}, uint64_t{0}}) {  // 1: address space = budget; 0: default (2)
+    tfmg_pool* p = make_on_demand_pool(1 * MiB, factor);
+    void* q[4];
+    for (void*& x : q) {
+      x = alloc(p, 256 * K);
+      CHECK(x != nullptr);
+    }
+    CHECK(stats(p).bytes_reserved == static_cast<int64_t>(1 * MiB));
+    CHECK_OK(tfmg_pool_deallocate(p, q[0], nullptr));
+    CHECK_OK(tfmg_pool_deallocate(p, q[2], nullptr));  // 512 KiB free, in two 256 KiB holes
+    void* e = alloc(p, 512 * K);
+    tfmg_stats s = stats(p);
+    if (factor == 1) {
+      CHECK(e == nullptr);  // no hole fits, and no address space above
+      CHECK(s.num_reclaims == 0 && s.bytes_reserved == static_cast<int64_t>(1 * MiB));
+    } else {
+      CHECK(e != nullptr);
+      if (e != nullptr) std::memset(e, 0x7e, 512 * K);  // backed: an unbacked byte faults
+      CHECK(s.num_reclaims == 1 && s.bytes_reclaimed == static_cast<int64_t>(512 * K));
+      CHECK(s.bytes_reserved == static_cast<int64_t>(1 * MiB) && s.bytes_in_use == static_cast<int64_t>(1 * MiB));
+      // Nothing left to take back: refused, and no counter moves.
+      CHECK(alloc(p, 64 * K) == nullptr);
+      tfmg_stats t = stats(p);
+      CHECK(t.num_reclaims == 1 && t.bytes_reserved == s.bytes_reserved && t.bytes_in_use == s.bytes_in_use);
+      CHECK_OK(tfmg_pool_deallocate(p, e, nullptr));
+    }
+    CHECK(valid(p));
+    CHECK_OK(tfmg_pool_destroy(p, 1));
+  }
+
+  // Random churn at the budget: every block handed out is written whole, what is backed
+  // never passes the budget, and reclaims happen.
+  tfmg_pool* p = make_on_demand_pool(8 * MiB);
+  std::mt19937_64 rng(5);
+  std::vector<std::pair<void*, uint64_t>> live;
+  int served = 0, refused = 0;
+  for (int i = 0; i < 4000; ++i) {
+    if (live.empty() || rng() % 100 < 52) {
+      const uint64_t n = uint64_t{256} << (rng() % 12);  // 256 B to 512 KiB
+      void* x = alloc(p, n + rng() % n);
+      if (x == nullptr) {
+        ++refused;
+        continue;
+      }
+      ++served;
+      std::memset(x, 0x5a, n);
+      live.emplace_back(x, n);
+    } else {
+      const size_t k = rng() % live.size();
+      CHECK_OK(tfmg_pool_deallocate(p, live[k].first, nullptr));
+      live[k] = live.back();
+      live.pop_back();
+    }
+    const tfmg_stats s = stats(p);
+    CHECK(s.bytes_reserved <= static_cast<int64_t>(8 * MiB) && s.bytes_reserved >= s.bytes_in_use);
+    if (i % 400 == 0) CHECK(valid(p));
+  }
+  CHECK(served > 1500 && refused > 0 && stats(p).num_reclaims > 0);
+  for (auto& x : live) CHECK_OK(tfmg_pool_deallocate(p, x.first, nullptr));
+  CHECK(valid(p));
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
+// trim_above_peak: free granules are taken back before new ones are backed once the
+// bytes backed would pass (1 + trim) x the peak in use, far below the budget.
+void test_trim_keeps_the_backing_near_the_peak() {
+  constexpr uint64_t K = 1024;
+  for (double trim : {0.0, 0.1}) {
+    tfmg_pool* p = make_on_demand_pool(64 * MiB, 0, trim);
+    void* a = alloc(p, 1 * MiB);
+    void* pin = alloc(p, 1 * MiB);  // after a: keeps a's hole from merging with what follows
+    CHECK(a != nullptr && pin != nullptr);
+    CHECK_OK(tfmg_pool_deallocate(p, a, nullptr));
+    void* b = alloc(p, 2 * MiB);  // a's 1 MiB hole is too small: b goes above pin
+    CHECK(b != nullptr);
+    if (b != nullptr) std::memset(b, 1, 2 * MiB);
+    const tfmg_stats s = stats(p);
+    if (trim == 0.0) {  // a's granules stay backed: 4 MiB for a peak of 3 MiB in use
+      CHECK(s.bytes_reserved == static_cast<int64_t>(4 * MiB) && s.num_reclaims == 0);
+    } else {  // 1.1 x 3 MiB, rounded up to granules (53), so 11 of a's 16 granules go back
+      CHECK(s.bytes_reserved == static_cast<int64_t>(53 * 64 * K) && s.num_reclaims == 1);
+      CHECK(s.bytes_reclaimed == static_cast<int64_t>(11 * 64 * K));
+    }
+    (void)K;
+    CHECK(valid(p));
+    CHECK_OK(tfmg_pool_destroy(p, 1));
+  }
+}
+
 // Putting a raised budget back while blocks live in the extra room: the region drains
 // (serves nothing) and goes back with its last block; the budget holds at once.
 void test_lowering_the_budget_drains_regions_that_hold_blocks() {
@@ -488,6 +594,8 @@ int main() {
        test_lowering_the_budget_drains_regions_that_hold_blocks},
       {"backing_on_demand_maps_what_blocks_need_and_gives_it_back",
        test_backing_on_demand_maps_what_blocks_need_and_gives_it_back},
+      {"at_the_budget_free_granules_are_taken_back", test_at_the_budget_free_granules_are_taken_back},
+      {"trim_keeps_the_backing_near_the_peak", test_trim_keeps_the_backing_near_the_peak},
   };
   int passed = 0, failed = 0;
   for (const test& t : tests) {

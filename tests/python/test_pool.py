@@ -378,3 +378,34 @@ def test_the_window_records_its_tightest_fit():
     for p in (a, c, x, y):
         pool.free(p)
     assert pool.check()
+
+
+def test_backed_on_demand_the_budget_bounds_memory_not_address_space():
+    # Four 256 KiB blocks fill a 1 MiB budget; two freed leave 512 KiB in two holes. A
+    # 512 KiB request fits no hole: with address space = budget it is refused; by
+    # default (twice the budget) it goes higher up and the holes' granules are unmapped.
+    KiB = 1 << 10
+    for factor, served in ((1, False), (0, True)):
+        pool = tf_memguard.Pool(max_bytes=1 * MiB, upstream="host_on_demand", address_factor=factor)
+        blocks = [pool.allocate(256 * KiB) for _ in range(4)]
+        pool.free(blocks[0])
+        pool.free(blocks[2])
+        if served:
+            e = pool.allocate(512 * KiB)
+            ctypes.memset(e, 0x7E, 512 * KiB)  # backed: an unbacked page would fault
+            s = pool.stats()
+            assert (s["num_reclaims"], s["bytes_reclaimed"], s["bytes_reserved"]) == (1, 512 * KiB, 1 * MiB)
+            pool.free(e)
+        else:
+            with pytest.raises(tf_memguard.OutOfBudgetError):
+                pool.allocate(512 * KiB)
+            assert pool.stats()["num_reclaims"] == 0
+        assert pool.check()
+        pool.close(force=True)
+
+
+@pytest.mark.parametrize("kw,match", [({"address_factor": 65}, "address_factor=65"),
+                                      ({"trim_above_peak": -0.5}, "trim_above_peak=-0.5")])
+def test_bad_on_demand_options_name_the_argument(kw, match):
+    with pytest.raises(ValueError, match=match):
+        tf_memguard.Pool(max_bytes=1 * MiB, upstream="host_on_demand", **kw)
