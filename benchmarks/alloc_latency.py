@@ -4,7 +4,10 @@ For each trace (benchmarks/traces.py), in one run:
   * ns per operation for the pool and for posix_memalign/free (median of --repeat
     replays, each in native code: no Python per operation), and their ratio;
   * the smallest budget at which the pool completes the trace, found by bisection,
-    divided by the trace's peak live bytes.
+    divided by the trace's peak live bytes;
+  * both again for the pool backed on demand (upstream="host_on_demand", 64 KiB
+    granules): its budget bounds the bytes backed, its address space is twice the
+    budget, and free granules are taken back at the budget (pool.h: "Backing on demand").
 
 Prints a table and writes benchmarks/results/alloc_latency.json.
 
@@ -32,11 +35,26 @@ VARIANTS = {
     "no_split_by_size": dict(small_threshold=1),  # every request placed as "large"
     "small_below_64k": dict(small_threshold=64 * 1024),
     "small_below_8m": dict(small_threshold=8 * 1024 * 1024),
+    # Backed on demand (host_on_demand: 64 KiB granules): the budget bounds the bytes
+    # backed, the address space is twice the budget, free granules are taken back.
+    "on_demand_64k": dict(upstream="host_on_demand"),
+    # The same with 2 MiB granules, as CUDA virtual memory backs a GPU pool (and its
+    # default small/large split at four granules).
+    "on_demand_2m": dict(upstream="host_on_demand", env={"TF_MEMGUARD_HOST_GRANULE": str(2 << 20)}),
 }
 
 
-def replay_pool(trace, budget, **options):
-    pool = _core.Pool(max_bytes=budget, **options)
+def replay_pool(trace, budget, env=None, **options):
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})  # read when the pool's upstream is made
+    try:
+        pool = _core.Pool(max_bytes=budget, **options)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         return _core.replay_pool(pool, trace.sizes, trace.slots, trace.is_free, trace.nslots)
     finally:
@@ -90,6 +108,7 @@ def main(argv=None):
         budget = 4 * trace.peak_live_bytes + (64 << 20)
         system = ns_per_op(lambda: replay_system(trace), trace, repeat)
         pool = ns_per_op(lambda: replay_pool(trace, budget), trace, repeat)
+        on_demand = ns_per_op(lambda: replay_pool(trace, budget, upstream="host_on_demand"), trace, repeat)
         row = {
             "description": trace.description,
             "ops": trace.ops,
@@ -97,9 +116,12 @@ def main(argv=None):
             "pool_ns_per_op": round(pool, 1),
             "system_ns_per_op": round(system, 1),
             "pool_over_system": round(pool / system, 3),
+            "on_demand_ns_per_op": round(on_demand, 1),
         }
         if trace.name.startswith("churn"):
             row["min_budget_over_peak_live"] = round(min_budget(trace) / trace.peak_live_bytes, 4)
+            row["on_demand_min_budget_over_peak_live"] = round(
+                min_budget(trace, **VARIANTS["on_demand_64k"]) / trace.peak_live_bytes, 4)
             if not args.quick:
                 variants[trace.name] = {
                     name: round(min_budget(trace, **opts) / trace.peak_live_bytes, 4)
@@ -108,11 +130,13 @@ def main(argv=None):
         results[trace.name] = row
 
     print(f"{'trace':<12} {'pool ns/op':>11} {'system ns/op':>13} {'pool/system':>12} "
-          f"{'min budget/peak live':>21}")
+          f"{'min budget/peak live':>21} | {'on demand: ns/op':>16} {'min budget/peak live':>21}")
     for name, r in results.items():
         mb = r.get("min_budget_over_peak_live")
+        od = r.get("on_demand_min_budget_over_peak_live")
         print(f"{name:<12} {r['pool_ns_per_op']:>11.1f} {r['system_ns_per_op']:>13.1f} "
-              f"{r['pool_over_system']:>12.3f} {('%.4f' % mb) if mb else '-':>21}")
+              f"{r['pool_over_system']:>12.3f} {('%.4f' % mb) if mb else '-':>21} | "
+              f"{r['on_demand_ns_per_op']:>16.1f} {('%.4f' % od) if od else '-':>21}")
     if variants:
         names = list(VARIANTS)
         print("\nmin budget / peak live by pool layout (what was tried):")
@@ -127,6 +151,10 @@ def main(argv=None):
         "churn_10000_over_churn_100": round(c10k / c100, 3),
         "min_budget_over_peak_live_le_1_10": all(
             r["min_budget_over_peak_live"] <= 1.10 for n, r in results.items() if "min_budget_over_peak_live" in r),
+        "on_demand_churn_2000_ns_per_op_le_100": results["churn_2000"]["on_demand_ns_per_op"] <= 100,
+        "on_demand_min_budget_over_peak_live_le_1_10": all(
+            r["on_demand_min_budget_over_peak_live"] <= 1.10
+            for n, r in results.items() if "on_demand_min_budget_over_peak_live" in r),
     }
     out = {
         "command": "python benchmarks/alloc_latency.py" + (" --quick" if args.quick else ""),

@@ -237,9 +237,13 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaMemcpy(&bad, bad_dev, sizeof bad, cudaMemcpyDeviceToHost));
   c1.mismatches = bad;
   c1.valid = tfmg_pool_check(pool) == TFMG_OK;
-  std::printf("correctness: %llu ops, %llu allocs, %llu refused, %llu mismatching words, %llu budget violations, valid=%d\n",
+  tfmg_stats c1s;
+  tfmg_pool_get_stats(pool, &c1s);  // reclaims: free granules unmapped at the budget, then remapped
+  std::printf("correctness: %llu ops, %llu allocs, %llu refused, %llu mismatching words, %llu budget violations, "
+              "valid=%d, %lld reclaims\n",
               (unsigned long long)c1.ops, (unsigned long long)c1.allocs, (unsigned long long)c1.refusals,
-              (unsigned long long)c1.mismatches, (unsigned long long)c1.budget_violations, c1.valid);
+              (unsigned long long)c1.mismatches, (unsigned long long)c1.budget_violations, c1.valid,
+              (long long)c1s.num_reclaims);
   tfmg_pool_destroy(pool, 1);
 
   // 2. Eight threads.
@@ -267,14 +271,17 @@ int main(int argc, char** argv) {
   tfmg_stats st;
   tfmg_pool_get_stats(pool, &st);
   const bool mt_valid = tfmg_pool_check(pool) == TFMG_OK && st.bytes_in_use == 0;
-  std::printf("threads: 8 x 12500 ops (%llu), %llu mismatching words, %llu budget violations, valid=%d\n",
-              (unsigned long long)mt_ops, bad, (unsigned long long)mt_viol, mt_valid);
+  std::printf("threads: 8 x 12500 ops (%llu), %llu mismatching words, %llu budget violations, valid=%d, "
+              "%lld reclaims\n",
+              (unsigned long long)mt_ops, bad, (unsigned long long)mt_viol, mt_valid, (long long)st.num_reclaims);
   tfmg_pool_destroy(pool, 1);
   js << "  \"correctness\": {\"ops\": " << c1.ops << ", \"allocs\": " << c1.allocs << ", \"refusals\": "
      << c1.refusals << ", \"mismatching_words\": " << c1.mismatches << ", \"budget_violations\": "
-     << c1.budget_violations << ", \"valid\": " << (c1.valid ? "true" : "false") << "},\n";
+     << c1.budget_violations << ", \"valid\": " << (c1.valid ? "true" : "false")
+     << ", \"num_reclaims\": " << c1s.num_reclaims << "},\n";
   js << "  \"threads\": {\"threads\": 8, \"ops\": " << mt_ops << ", \"mismatching_words\": " << bad
-     << ", \"budget_violations\": " << mt_viol << ", \"valid\": " << (mt_valid ? "true" : "false") << "},\n";
+     << ", \"budget_violations\": " << mt_viol << ", \"valid\": " << (mt_valid ? "true" : "false")
+     << ", \"num_reclaims\": " << st.num_reclaims << "},\n";
 
   // 3 and 4. Traces.
   cudaMemPool_t mempool;

@@ -9,6 +9,9 @@ call of this script:
              MemGuardCallback: epoch times, peak bytes backed / peak bytes in use.
              caching and memguard alternate (ABAB); the ratio is of the medians of
              epochs 2-3 (epoch 1 holds cuDNN's autotuning and PyTorch's warm-up).
+  memguard_trim  memguard with TF_MEMGUARD_TRIM_ABOVE_PEAK=--trim (0.04): free granules
+             are unmapped whenever the bytes backed would pass (1 + trim) x the peak in
+             use so far; a third run in each round (ABCABC...).
   oom        budget = 80% of memguard's peak in use: fit at batch 256 must raise
              torch.OutOfMemoryError carrying tf_memguard's note; then, in the same
              process, cuBLAS still works, the weights are unchanged, and fit at the
@@ -168,6 +171,9 @@ def child(mode, budget):
     out = {"mode": mode}
     if mode in ("cublas_naive", "cublas_memguard"):
         budget = 256 << 20
+    if mode == "memguard_trim":  # memguard, with TF_MEMGUARD_TRIM_ABOVE_PEAK set by the parent
+        mode = "memguard"
+        out["trim_above_peak"] = float(os.environ.get("TF_MEMGUARD_TRIM_ABOVE_PEAK", "0"))
     if mode in ("memguard", "oom", "torch_only", "cublas_memguard"):
         import tf_memguard
         b = {"memguard": 0.5, "oom": budget, "torch_only": 1 << 30, "cublas_memguard": budget}[mode]
@@ -220,6 +226,8 @@ def child(mode, budget):
             s = tf_memguard.stats("cuda:0")
             out["peak_reserved"] = s["peak_bytes_reserved"]
             out["peak_live"] = s["peak_bytes_in_use"]
+            out["num_reclaims"] = s["num_reclaims"]
+            out["bytes_reclaimed"] = s["bytes_reclaimed"]
             out["history_keys"] = sorted(k for k in hist.history if k.startswith("memguard"))
             out["epoch_peaks"] = hist.history["memguard_peak_bytes"]
             out["report"] = str(tf_memguard.report())
@@ -311,16 +319,20 @@ def main():
     ap.add_argument("--child")
     ap.add_argument("--budget", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--trim", type=float, default=0.04,
+                    help="trim_above_peak of the third allocator of each round (0: no such runs)")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.budget)), flush=True)
         return
 
-    runs = {"caching": [], "memguard": []}
+    runs = {"caching": [], "memguard": [], "memguard_trim": []}
     for _ in range(args.rounds):
-        for mode in ("caching", "memguard"):
-            runs[mode].append(run_child(mode))
+        runs["caching"].append(run_child("caching"))
+        runs["memguard"].append(run_child("memguard"))
+        if args.trim:
+            runs["memguard_trim"].append(run_child("memguard_trim", TF_MEMGUARD_TRIM_ABOVE_PEAK=str(args.trim)))
     # One more run under tf_memguard with the pool's trace on (not timed: the trace costs).
     traced = run_child("memguard", TF_MEMGUARD_TRACE_CAPACITY=str(4 << 20),
                        TRACE_OUT=os.path.join(args.out, "keras_torch_trace.npz"))
@@ -333,11 +345,12 @@ def main():
         r = [x["peak_reserved"] / x["peak_live"] for x in runs[mode] if x.get("peak_live")]
         return max(r) if r else None
 
-    t_cache, t_guard = steady("caching"), steady("memguard")
+    t_cache, t_guard, t_trim = steady("caching"), steady("memguard"), steady("memguard_trim")
     # The spread: each round's ratio (memguard over the caching run just before it).
-    per_round = [statistics.median(g["epoch_seconds"][1:]) / statistics.median(c["epoch_seconds"][1:])
-                 for c, g in zip(runs["caching"], runs["memguard"])
-                 if c.get("epoch_seconds") and g.get("epoch_seconds")]
+    def rounds(mode):
+        return [statistics.median(g["epoch_seconds"][1:]) / statistics.median(c["epoch_seconds"][1:])
+                for c, g in zip(runs["caching"], runs[mode]) if c.get("epoch_seconds") and g.get("epoch_seconds")]
+    per_round = rounds("memguard")
     live = max((r.get("peak_live", 0) for r in runs["memguard"]), default=0)
     budget = int(0.8 * live)
     oom = run_child("oom", budget) if live else {"mode": "oom", "skipped": "no memguard peak"}
@@ -357,6 +370,17 @@ def main():
         "peak_reserved_over_peak_live": ratio("memguard"),
         "caching_peak_reserved_over_peak_live": ratio("caching"),
         "retry_after_oom_ok": retry_ok,
+        # The same runs with trim_above_peak (the pool unmaps free granules whenever the
+        # bytes backed would pass (1 + trim) x the peak in use so far).
+        "with_trim": {
+            "trim_above_peak": args.trim,
+            "epoch_time_ratio": (t_trim / t_cache) if t_cache and t_trim else None,
+            "epoch_time_ratio_per_round": rounds("memguard_trim"),
+            "epoch_seconds_median": t_trim,
+            "peak_reserved_over_peak_live": ratio("memguard_trim"),
+            "num_reclaims": [r.get("num_reclaims") for r in runs["memguard_trim"]],
+            "bytes_reclaimed": [r.get("bytes_reclaimed") for r in runs["memguard_trim"]],
+        } if args.trim else None,
         "oom_budget_bytes": budget,
         "runs": runs, "oom": oom, "naive": naive, "torch_only": torch_only, "cublas": cublas,
         "traced_run": {k: traced.get(k) for k in ("trace_events", "peak_reserved", "peak_live", "returncode")},
@@ -374,6 +398,11 @@ def main():
     print("|---|---|---|")
     print(f"| PyTorch caching | {fmt(t_cache)} | {fmt(ratio('caching'))} |")
     print(f"| tf_memguard | {fmt(t_guard)} | {fmt(ratio('memguard'))} |")
+    if args.trim:
+        print(f"| tf_memguard, trim_above_peak {args.trim} | {fmt(t_trim)} | {fmt(ratio('memguard_trim'))} |")
+        print(f"with trim: epoch_time_ratio {fmt(result['with_trim']['epoch_time_ratio'])} (per round: "
+              f"{', '.join(format(r, '.3f') for r in result['with_trim']['epoch_time_ratio_per_round'])}); "
+              f"reclaims per run {result['with_trim']['num_reclaims']}")
     print(f"epoch_time_ratio {fmt(result['epoch_time_ratio'])} (per round: "
           f"{', '.join(format(r, '.3f') for r in per_round)}); retry_after_oom_ok {retry_ok}; "
           f"OOM budget {budget} B; suggested {oom.get('suggested')}; find_batch_size {oom.get('find_batch_size')}")
