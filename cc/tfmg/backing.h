@@ -24,12 +24,21 @@ class backing_map {
     regions_[base] = std::vector<handle>(size / granule_, 0);
   }
 
+  backing_map(const backing_map& o) : granule_(o.granule_), regions_(o.regions_) {}
+  backing_map& operator=(const backing_map& o) {
+    granule_ = o.granule_;
+    regions_ = o.regions_;
+    last_ = regions_.end();
+    return *this;
+  }
+
   // Unmaps what is backed in the region at base and forgets it.
   template <class Unmap>
   void remove_region(std::uintptr_t base, Unmap unmap) {
     auto it = regions_.find(base);
     if (it == regions_.end()) return;
     release(it, 0, it->second.size(), unmap);
+    if (last_ == it) last_ = regions_.end();
     regions_.erase(it);
   }
 
@@ -124,10 +133,16 @@ class backing_map {
   using region_map = std::map<std::uintptr_t, std::vector<handle>>;
 
   region_map::iterator find(std::uintptr_t p) {
+    // Most calls land in the region of the call before (the pool has one by default).
+    if (last_ != regions_.end() && p >= last_->first && p < last_->first + last_->second.size() * granule_) {
+      return last_;
+    }
     auto it = regions_.upper_bound(p);
     if (it == regions_.begin()) return regions_.end();
     --it;
-    return p < it->first + it->second.size() * granule_ ? it : regions_.end();
+    if (p >= it->first + it->second.size() * granule_) return regions_.end();
+    last_ = it;
+    return it;
   }
 
   template <class Unmap>
@@ -145,6 +160,7 @@ class backing_map {
 
   std::size_t granule_;
   region_map regions_;
+  region_map::iterator last_ = regions_.end();  // the region find() returned last
 };
 
 }  // namespace tfmg

@@ -229,8 +229,12 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
 }
 
 bool pool::back_block_locked(block* b, bool* device_full) {
-  const std::size_t need = upstream_->unbacked(reinterpret_cast<void*>(b->addr), b->size);
   pooled_peak_ = std::max(pooled_peak_, pooled_in_use_ + b->size);
+  // Far from the budget (and with no trim line) the block cannot pass it, whatever of
+  // its granules lack backing: no need to count them first.
+  const std::size_t page = upstream_->page_size();
+  const bool far = trim_ == 0 && backed_ <= limit_ && b->size + 2 * page <= limit_ - backed_;
+  const std::size_t need = far ? 0 : upstream_->unbacked(reinterpret_cast<void*>(b->addr), b->size);
   if (need > 0) {
     // Over the budget, free granules must go first (or the request is refused, nothing
     // changed); over the trim line (trim_above_peak), they go if there are any.
@@ -239,7 +243,7 @@ bool pool::back_block_locked(block* b, bool* device_full) {
     std::size_t soft = hard;
     if (trim_ > 0) {
       const double line = static_cast<double>(pooled_peak_) * (1.0 + trim_);
-      const std::size_t cap = std::min(limit_, round_up(static_cast<std::size_t>(line), upstream_->page_size()));
+      const std::size_t cap = std::min(limit_, round_up(static_cast<std::size_t>(line), page));
       soft = std::max(hard, after > cap ? after - cap : 0);
     }
     if (soft > 0) {
