@@ -320,6 +320,9 @@ def main():
     ap.add_argument("--budget", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--timing-only", action="store_true",
+                    help="only the timed rounds (caching, memguard, memguard_trim): no traced, oom, naive, "
+                         "torch_only or cublas runs; writes gpu_keras_torch_timing.json")
     ap.add_argument("--trim", type=float, default=0.04,
                     help="trim_above_peak of the third allocator of each round (0: no such runs)")
     args = ap.parse_args()
@@ -334,7 +337,8 @@ def main():
         if args.trim:
             runs["memguard_trim"].append(run_child("memguard_trim", TF_MEMGUARD_TRIM_ABOVE_PEAK=str(args.trim)))
     # One more run under tf_memguard with the pool's trace on (not timed: the trace costs).
-    traced = run_child("memguard", TF_MEMGUARD_TRACE_CAPACITY=str(4 << 20),
+    skipped = {"skipped": "--timing-only"}
+    traced = skipped if args.timing_only else run_child("memguard", TF_MEMGUARD_TRACE_CAPACITY=str(4 << 20),
                        TRACE_OUT=os.path.join(args.out, "keras_torch_trace.npz"))
 
     def steady(mode):
@@ -353,14 +357,19 @@ def main():
     per_round = rounds("memguard")
     live = max((r.get("peak_live", 0) for r in runs["memguard"]), default=0)
     budget = int(0.8 * live)
-    oom = run_child("oom", budget) if live else {"mode": "oom", "skipped": "no memguard peak"}
-    naive = run_child("naive", budget, timeout=300) if live else {"mode": "naive", "skipped": "no memguard peak"}
-    torch_only = run_child("torch_only")
-    cublas = {m: run_child(m, timeout=300) for m in ("cublas_naive", "cublas_memguard")}
+    if args.timing_only:
+        oom = naive = torch_only = skipped
+        cublas = {}
+    else:
+        oom = run_child("oom", budget) if live else {"mode": "oom", "skipped": "no memguard peak"}
+        naive = run_child("naive", budget, timeout=300) if live else {"mode": "naive", "skipped": "no memguard peak"}
+        torch_only = run_child("torch_only")
+        cublas = {m: run_child(m, timeout=300) for m in ("cublas_naive", "cublas_memguard")}
     retry_ok = bool(oom.get("is_torch_oom") and oom.get("notes") and oom.get("matmul_after")
                     and oom.get("weights_unchanged") and oom.get("retry_ok"))
     result = {
-        "command": "bash benchmarks/gpu/run_keras_torch.sh  (python3 benchmarks/gpu/keras_torch.py --out $OUT)",
+        "command": "bash benchmarks/gpu/run_keras_torch.sh  (python3 benchmarks/gpu/keras_torch.py --out $OUT"
+                   + (f" --timing-only --rounds {args.rounds}" if args.timing_only else "") + ")",
         "model": {"inputs": [SIZE, SIZE, 3], "samples": SAMPLES, "batch_size": BATCH, "epochs": EPOCHS,
                   "rounds": args.rounds},
         "epoch_time_ratio": (t_guard / t_cache) if t_cache and t_guard else None,
@@ -369,7 +378,7 @@ def main():
         "epoch_seconds_median_memguard": t_guard,
         "peak_reserved_over_peak_live": ratio("memguard"),
         "caching_peak_reserved_over_peak_live": ratio("caching"),
-        "retry_after_oom_ok": retry_ok,
+        "retry_after_oom_ok": None if args.timing_only else retry_ok,
         # The same runs with trim_above_peak (the pool unmaps free granules whenever the
         # bytes backed would pass (1 + trim) x the peak in use so far).
         "with_trim": {
@@ -386,7 +395,7 @@ def main():
         "traced_run": {k: traced.get(k) for k in ("trace_events", "peak_reserved", "peak_live", "returncode")},
     }
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "gpu_keras_torch.json")
+    path = os.path.join(args.out, "gpu_keras_torch_timing.json" if args.timing_only else "gpu_keras_torch.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -17,4 +17,4 @@ export KERAS_BACKEND=torch PYTHONUNBUFFERED=1
 python3 -c "import torch, keras; print('torch', torch.__version__, 'keras', keras.__version__, 'gpus', torch.cuda.device_count())"
 python3 setup.py -q build_ext --inplace 2>&1 | grep -iE "tf_memguard:|error" || true
 ls tf_memguard/*.so
-python3 benchmarks/gpu/keras_torch.py --out "$OUT" 2>&1 | tee "$OUT/keras_torch.txt"
+python3 benchmarks/gpu/keras_torch.py --out "$OUT" "$@" 2>&1 | tee "$OUT/keras_torch.txt"
