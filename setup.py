@@ -19,6 +19,7 @@
 The list of core sources is ``cc/core_sources.txt``, read by every build (this file and
 CMakeLists.txt) so they cannot drift apart.
 """
+import glob
 import json
 import os
 import shutil
@@ -115,9 +116,14 @@ def pybind11_include():
     return pybind11.get_include()
 
 
+# The core's headers: a change to one rebuilds everything that includes it (setuptools
+# otherwise compares only the sources' times with the built file's).
+HEADERS = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "cc", "tfmg", "*.h")))
+
 core = PlainSharedLibrary(
     "tf_memguard.libtfmg_core",
     sources=read_sources("core_sources.txt"),
+    depends=HEADERS,
     include_dirs=[HERE],
     language="c++",
     extra_compile_args=CXXFLAGS,
@@ -127,6 +133,7 @@ core = PlainSharedLibrary(
 bindings = Extension(
     "tf_memguard._core",
     sources=["cc/python/bindings.cc"],
+    depends=HEADERS,
     include_dirs=[HERE, pybind11_include()],
     language="c++",
     extra_compile_args=CXXFLAGS,
@@ -146,6 +153,7 @@ else:
     ext_modules.append(PlainSharedLibrary(
         PLUGIN,
         sources=["cc/tf/plugin.cc"],
+        depends=HEADERS,
         include_dirs=[HERE],
         language="c++",
         # TensorFlow's flags last: they set the C++ standard and ABI it was built with.
@@ -164,6 +172,7 @@ else:
     ext_modules.append(PlainSharedLibrary(
         TORCH_GLUE,
         sources=["cc/torch/allocator.cc"],
+        depends=HEADERS,
         include_dirs=[HERE] + torch_includes,
         language="c++",
         define_macros=[("_GLIBCXX_USE_CXX11_ABI", str(torch_abi))],

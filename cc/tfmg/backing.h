@@ -21,7 +21,9 @@ class backing_map {
   std::size_t granule() const { return granule_; }
 
   void add_region(std::uintptr_t base, std::size_t size) {
-    regions_[base] = std::vector<handle>(size / granule_, 0);
+    record& r = regions_[base];
+    r.h.assign(size / granule_, 0);
+    r.bits.assign((size / granule_ + 63) / 64, 0);
   }
 
   backing_map(const backing_map& o) : granule_(o.granule_), regions_(o.regions_) {}
@@ -37,7 +39,7 @@ class backing_map {
   void remove_region(std::uintptr_t base, Unmap unmap) {
     auto it = regions_.find(base);
     if (it == regions_.end()) return;
-    release(it, 0, it->second.size(), unmap);
+    release(it, 0, it->second.h.size(), unmap);
     if (last_ == it) last_ = regions_.end();
     regions_.erase(it);
   }
@@ -54,9 +56,10 @@ class backing_map {
     if (bytes == 0) return true;
     auto it = find(p);
     if (it == regions_.end()) return false;
-    std::vector<handle>& h = it->second;
+    std::vector<handle>& h = it->second.h;
     const std::uintptr_t base = it->first;
     const std::size_t last = (p + bytes - 1 - base) / granule_;
+    if (it->second.all_backed((p - base) / granule_, last)) return true;  // the common case
     for (std::size_t g = (p - base) / granule_; g <= last;) {
       if (h[g] != 0) {
         ++g;
@@ -70,6 +73,7 @@ class backing_map {
           release(it, g, k, unmap);
           return false;
         }
+        it->second.bits[k / 64] |= std::uint64_t{1} << (k % 64);
       }
       if (!open(base + g * granule_, (end - g) * granule_)) {
         release(it, g, end, unmap);
@@ -88,11 +92,11 @@ class backing_map {
     if (it == regions_.begin()) return 0;
     --it;
     const std::uintptr_t base = it->first;
-    if (p >= base + it->second.size() * granule_) return 0;
+    if (p >= base + it->second.h.size() * granule_) return 0;
     std::size_t n = 0;
     const std::size_t last = (p + bytes - 1 - base) / granule_;
-    for (std::size_t g = (p - base) / granule_; g <= last && g < it->second.size(); ++g) {
-      n += it->second[g] == 0;
+    for (std::size_t g = (p - base) / granule_; g <= last && g < it->second.h.size(); ++g) {
+      n += it->second.h[g] == 0;
     }
     return n * granule_;
   }
@@ -103,12 +107,12 @@ class backing_map {
     if (bytes == 0 || it == regions_.begin()) return 0;
     --it;
     const std::uintptr_t base = it->first;
-    if (p >= base + it->second.size() * granule_) return 0;
+    if (p >= base + it->second.h.size() * granule_) return 0;
     const std::size_t first = (p - base + granule_ - 1) / granule_;
     std::size_t end = (p + bytes - base) / granule_;
-    if (end > it->second.size()) end = it->second.size();
+    if (end > it->second.h.size()) end = it->second.h.size();
     std::size_t n = 0;
-    for (std::size_t k = first; k < end; ++k) n += it->second[k] != 0;
+    for (std::size_t k = first; k < end; ++k) n += it->second.h[k] != 0;
     return n * granule_;
   }
 
@@ -121,26 +125,39 @@ class backing_map {
     const std::uintptr_t base = it->first;
     const std::size_t first = (p - base + granule_ - 1) / granule_;
     std::size_t end = (p + bytes - base) / granule_;
-    if (end > it->second.size()) end = it->second.size();
+    if (end > it->second.h.size()) end = it->second.h.size();
     bool any = false;
-    for (std::size_t k = first; k < end && !any; ++k) any = it->second[k] != 0;
+    for (std::size_t k = first; k < end && !any; ++k) any = it->second.h[k] != 0;
     if (!any) return 0;
     before();
     return release(it, first, end, unmap);
   }
 
  private:
-  using region_map = std::map<std::uintptr_t, std::vector<handle>>;
+  struct record {
+    std::vector<handle> h;            // per granule
+    std::vector<std::uint64_t> bits;  // per granule: backed (h != 0), for range checks
+    bool all_backed(std::size_t first, std::size_t last) const {
+      for (std::size_t w = first / 64; w <= last / 64; ++w) {
+        std::uint64_t mask = ~std::uint64_t{0};
+        if (w == first / 64) mask &= ~std::uint64_t{0} << (first % 64);
+        if (w == last / 64 && last % 64 != 63) mask &= (std::uint64_t{1} << (last % 64 + 1)) - 1;
+        if ((bits[w] & mask) != mask) return false;
+      }
+      return true;
+    }
+  };
+  using region_map = std::map<std::uintptr_t, record>;
 
   region_map::iterator find(std::uintptr_t p) {
     // Most calls land in the region of the call before (the pool has one by default).
-    if (last_ != regions_.end() && p >= last_->first && p < last_->first + last_->second.size() * granule_) {
+    if (last_ != regions_.end() && p >= last_->first && p < last_->first + last_->second.h.size() * granule_) {
       return last_;
     }
     auto it = regions_.upper_bound(p);
     if (it == regions_.begin()) return regions_.end();
     --it;
-    if (p >= it->first + it->second.size() * granule_) return regions_.end();
+    if (p >= it->first + it->second.h.size() * granule_) return regions_.end();
     last_ = it;
     return it;
   }
@@ -149,10 +166,11 @@ class backing_map {
   std::size_t release(region_map::iterator it, std::size_t from, std::size_t to, Unmap unmap) {
     std::size_t gone = 0;
     for (std::size_t k = from; k < to; ++k) {
-      handle& h = it->second[k];
+      handle& h = it->second.h[k];
       if (h == 0) continue;
       unmap(it->first + k * granule_, h);
       h = 0;
+      it->second.bits[k / 64] &= ~(std::uint64_t{1} << (k % 64));
       gone += granule_;
     }
     return gone;
