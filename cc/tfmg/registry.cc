@@ -3,6 +3,7 @@
 // what the plugin reported about itself.
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <set>
@@ -40,6 +41,10 @@ static void apply_environment(tfmg_pool_options* o) {
   if (const char* v = std::getenv("TF_MEMGUARD_TRACE_CAPACITY")) o->trace_capacity = std::strtoull(v, nullptr, 10);
   if (const char* v = std::getenv("TF_MEMGUARD_ADDRESS_FACTOR")) o->address_factor = std::strtoull(v, nullptr, 10);
   if (const char* v = std::getenv("TF_MEMGUARD_TRIM_ABOVE_PEAK")) o->trim_above_peak = std::strtod(v, nullptr);
+  // Host pools backed on demand (the budget bounds the bytes backed, not address space).
+  if (const char* v = std::getenv("TF_MEMGUARD_HOST_ON_DEMAND")) {
+    if (std::strcmp(v, "1") == 0 && o->upstream == TFMG_UPSTREAM_HOST) o->upstream = TFMG_UPSTREAM_HOST_ON_DEMAND;
+  }
 }
 
 extern "C" {
@@ -55,12 +60,13 @@ tfmg_status tfmg_device_pool(const char* device, tfmg_pool** out) {
   }
   tfmg_pool_options o;
   tfmg_pool_options_init(&o);
+  const int requested = static_cast<int>(o.upstream);  // before the environment's knobs
   apply_environment(&o);
   tfmg_pool* p = nullptr;
   const tfmg_status s = tfmg_pool_create(&o, &p);
   if (s != TFMG_OK) return s;
   r.pools.emplace(device, p);
-  r.upstreams[device] = static_cast<int>(o.upstream);
+  r.upstreams[device] = requested;
   *out = p;
   return TFMG_OK;
 }

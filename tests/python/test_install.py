@@ -110,3 +110,22 @@ def test_gpu_allocator_hook_serves_a_pool_on_the_cpu_wheel():
     # The CPU wheel sees no GPU: install() says so instead of pretending.
     assert r.data["err"] and "TensorFlow sees 0 GPU(s)" in r.data["err"]
     assert r.data["cpu"] == 4.0
+
+
+@pytest.mark.tf
+def test_tf_memguard_host_on_demand_backs_the_cpu_pool_on_demand():
+    # TF_MEMGUARD_HOST_ON_DEMAND=1: TensorFlow's CPU tensors in a pool whose budget bounds
+    # the bytes backed, with twice the budget in address space.
+    r = run("""
+        import tensorflow as tf, tf_memguard
+        tf_memguard.install(max_bytes=64 << 20)
+        x = tf.ones((1000, 1000))
+        y = x @ x
+        s = tf_memguard.stats()
+        emit(reserved=s["bytes_reserved"], in_use=s["bytes_in_use"], largest=s["largest_free_block_bytes"],
+             ok=float(y[0, 0]) == 1000.0)
+    """, env={"TF_MEMGUARD_HOST_ON_DEMAND": "1"})
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["ok"] and d["in_use"] <= d["reserved"] < 16 << 20   # backed: what is used, in 64 KiB granules
+    assert d["largest"] > 64 << 20                                 # address space beyond the budget
