@@ -98,6 +98,9 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=5, help="replays per timing (median). Defaults to 5.")
     ap.add_argument("--quick", action="store_true", help="one replay per timing, no variants")
     ap.add_argument("--out", default=os.path.join(RESULTS, "alloc_latency.json"))
+    ap.add_argument("--seeds", default="",
+                    help="comma-separated seeds: also the smallest budgets of churn traces made with "
+                         "these seeds (100,000 operations each), mean and worst per layout")
     args = ap.parse_args(argv)
     repeat = 1 if args.quick else args.repeat
 
@@ -157,7 +160,8 @@ def main(argv=None):
             for n, r in results.items() if "on_demand_min_budget_over_peak_live" in r),
     }
     out = {
-        "command": "python benchmarks/alloc_latency.py" + (" --quick" if args.quick else ""),
+        "command": "python benchmarks/alloc_latency.py" + (" --quick" if args.quick else "")
+                   + (f" --seeds {args.seeds}" if args.seeds else ""),
         "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count()},
         "repeat": repeat,
@@ -166,6 +170,24 @@ def main(argv=None):
         "variants_min_budget_over_peak_live": variants,
         "summary": summary,
     }
+    other_seeds = {}
+    if args.seeds:
+        seeds = [int(x) for x in args.seeds.split(",")]
+        layouts = ("default", "on_demand_64k", "on_demand_2m")
+        print(f"\nmin budget / peak live on seeds {seeds} (100,000 operations), mean / worst:")
+        print(f"{'trace':<12} " + " ".join(f"{n:>17}" for n in layouts))
+        for name, n, hi in (("churn_100", 100, 8 * tr.MiB), ("churn_2000", 2000, 8 * tr.MiB),
+                            ("churn_10000", 10000, 1 * tr.MiB)):
+            traces = [tr.churn(name, n, 256, hi, seed=seed, ops=100_000) for seed in seeds]
+            other_seeds[name] = {}
+            for layout in layouts:
+                v = [min_budget(t, precision=0.004, **VARIANTS[layout]) / t.peak_live_bytes for t in traces]
+                other_seeds[name][layout] = {"mean": round(statistics.mean(v), 4), "worst": round(max(v), 4)}
+            print(f"{name:<12} " + " ".join(
+                f"{'%.3f / %.3f' % (other_seeds[name][l]['mean'], other_seeds[name][l]['worst']):>17}"
+                for l in layouts))
+        out["other_seeds"] = {"seeds": seeds, "min_budget_over_peak_live": other_seeds}
+
     print("\nsummary:", json.dumps(summary))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
