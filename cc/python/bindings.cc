@@ -134,8 +134,9 @@ tfmg_upstream_kind parse_upstream(const std::string& upstream) {
   if (upstream == "cuda") return TFMG_UPSTREAM_CUDA;
   if (upstream == "cuda_managed") return TFMG_UPSTREAM_CUDA_MANAGED;
   if (upstream == "host_on_demand") return TFMG_UPSTREAM_HOST_ON_DEMAND;
+  if (upstream == "host_lazy") return TFMG_UPSTREAM_HOST_LAZY;
   throw py::value_error("upstream='" + upstream +
-                        "': must be 'host', 'host_on_demand', 'cuda' or 'cuda_managed'");
+                        "': must be 'host', 'host_lazy', 'host_on_demand', 'cuda' or 'cuda_managed'");
 }
 
 // Owns a tfmg_pool created by this module.

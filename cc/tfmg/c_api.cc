@@ -63,10 +63,11 @@ void tfmg_pool_options_init(tfmg_pool_options* o) {
 tfmg_status tfmg_pool_create(const tfmg_pool_options* o, tfmg_pool** out) {
   if (o == nullptr || out == nullptr) return fail(TFMG_ERROR_INVALID_ARGUMENT, "options and out must not be null");
   if (o->upstream != TFMG_UPSTREAM_HOST && o->upstream != TFMG_UPSTREAM_CUDA &&
-      o->upstream != TFMG_UPSTREAM_CUDA_MANAGED && o->upstream != TFMG_UPSTREAM_HOST_ON_DEMAND) {
+      o->upstream != TFMG_UPSTREAM_CUDA_MANAGED && o->upstream != TFMG_UPSTREAM_HOST_ON_DEMAND &&
+      o->upstream != TFMG_UPSTREAM_HOST_LAZY) {
     return fail(TFMG_ERROR_INVALID_ARGUMENT,
                 "upstream=" + std::to_string(o->upstream) +
-                    ": must be host (0), cuda (1), cuda_managed (2) or host_on_demand (3)");
+                    ": must be host (0), cuda (1), cuda_managed (2), host_on_demand (3) or host_lazy (4)");
   }
   if (o->alignment != 0 && (!is_pow2(o->alignment) || o->alignment > (1u << 20))) {
     return fail(TFMG_ERROR_INVALID_ARGUMENT, "alignment=" + std::to_string(o->alignment) +
@@ -91,8 +92,8 @@ tfmg_status tfmg_pool_create(const tfmg_pool_options* o, tfmg_pool** out) {
   std::unique_ptr<tfmg::upstream> up;
   if (o->upstream == TFMG_UPSTREAM_HOST) {
     up = tfmg::make_host_upstream();
-  } else if (o->upstream == TFMG_UPSTREAM_HOST_ON_DEMAND) {
-    up = tfmg::make_host_on_demand_upstream();
+  } else if (o->upstream == TFMG_UPSTREAM_HOST_ON_DEMAND || o->upstream == TFMG_UPSTREAM_HOST_LAZY) {
+    up = tfmg::make_host_on_demand_upstream(o->upstream == TFMG_UPSTREAM_HOST_ON_DEMAND);
   } else {
     std::string why;
     up = tfmg::make_cuda_upstream(o->device, o->upstream == TFMG_UPSTREAM_CUDA_MANAGED, &why);

@@ -63,7 +63,10 @@ typedef enum tfmg_upstream_kind {
   /* Host memory backed on demand (64 KiB granules made accessible as blocks are handed
    * out): bytes_reserved counts the memory touched. CUDA regions are backed on demand
    * too where the device has virtual memory management (TF_MEMGUARD_CUDA_VMM=0: not). */
-  TFMG_UPSTREAM_HOST_ON_DEMAND = 3
+  TFMG_UPSTREAM_HOST_ON_DEMAND = 3,
+  /* The same bookkeeping without page protection (backing is bookkeeping, giving back
+   * is madvise): the default of the process-wide host pools (TF_MEMGUARD_HOST_UPSTREAM). */
+  TFMG_UPSTREAM_HOST_LAZY = 4
 } tfmg_upstream_kind;
 
 typedef struct tfmg_pool_options {

@@ -77,20 +77,27 @@ class host_upstream final : public upstream {
   std::size_t page_;
 };
 
-// Host memory backed on demand: a region is address space with no access (PROT_NONE);
-// granules of 64 KiB become readable and writable (mprotect) when the pool hands out a
-// block there, and go back (madvise + PROT_NONE) on release_unused(). bytes_reserved
-// then follows the memory the run touched, and a block handed out without backing
-// faults at once: the same bookkeeping as CUDA virtual memory, checkable on any host.
+// Host memory backed on demand, in granules (64 KiB by default). The pool counts a
+// granule as backed from when it hands out a block there until it gives the granule
+// back (madvise(MADV_DONTNEED): its pages leave the process), so bytes_reserved bounds
+// the pool's resident memory: the same bookkeeping as CUDA virtual memory.
+//   checked ("host_on_demand"): the region is PROT_NONE and granules are made readable
+//     and writable (mprotect) when backed, so a block handed out without backing faults
+//     at once. For tests: each protection change can split the mapping, and Linux
+//     allows a process 65,530 mappings.
+//   lazy ("host_lazy", the default for TensorFlow's CPU tensors): the region is
+//     readable and writable from the start, backing is bookkeeping only (no system
+//     call), giving back is madvise alone.
 class host_on_demand_upstream final : public upstream {
  public:
-  explicit host_on_demand_upstream(std::size_t granule) : backing_(granule) {}
+  host_on_demand_upstream(std::size_t granule, bool checked) : checked_(checked), backing_(granule) {}
 
   void* allocate(std::size_t bytes, std::size_t alignment, bool region) override {
     const std::size_t g = backing_.granule();
     if (!region || alignment > g) return plain_.allocate(bytes, alignment, region);
     const std::size_t size = ((bytes == 0 ? 1 : bytes) + g - 1) / g * g;
-    void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void* p = mmap(nullptr, size, checked_ ? PROT_NONE : PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) return nullptr;
     backing_.add_region(reinterpret_cast<std::uintptr_t>(p), size);
     return p;
@@ -109,8 +116,8 @@ class host_on_demand_upstream final : public upstream {
   bool back(void* p, std::size_t bytes, std::size_t* added) override {
     return backing_.back(
         reinterpret_cast<std::uintptr_t>(p), bytes, [](std::uintptr_t) -> backing_map::handle { return 1; },
-        [](std::uintptr_t at, std::size_t n) {
-          return mprotect(reinterpret_cast<void*>(at), n, PROT_READ | PROT_WRITE) == 0;
+        [this](std::uintptr_t at, std::size_t n) {
+          return !checked_ || mprotect(reinterpret_cast<void*>(at), n, PROT_READ | PROT_WRITE) == 0;
         },
         [](std::uintptr_t, backing_map::handle) {}, added);
   }
@@ -119,9 +126,9 @@ class host_on_demand_upstream final : public upstream {
     const std::size_t g = backing_.granule();
     return backing_.discard(
         reinterpret_cast<std::uintptr_t>(p), bytes, [] {},
-        [g](std::uintptr_t at, backing_map::handle) {
+        [this, g](std::uintptr_t at, backing_map::handle) {
           madvise(reinterpret_cast<void*>(at), g, MADV_DONTNEED);
-          mprotect(reinterpret_cast<void*>(at), g, PROT_NONE);
+          if (checked_) mprotect(reinterpret_cast<void*>(at), g, PROT_NONE);
         });
   }
 
@@ -135,9 +142,12 @@ class host_on_demand_upstream final : public upstream {
   std::size_t default_alignment() const override { return plain_.default_alignment(); }
   std::size_t page_size() const override { return backing_.granule(); }
   std::size_t total_memory() const override { return plain_.total_memory(); }
-  const char* name() const override { return "host (backed on demand)"; }
+  const char* name() const override {
+    return checked_ ? "host (backed on demand, checked)" : "host (backed on demand)";
+  }
 
  private:
+  const bool checked_;
   host_upstream plain_;
   backing_map backing_;
 };
@@ -145,14 +155,14 @@ class host_on_demand_upstream final : public upstream {
 }  // namespace
 
 std::unique_ptr<upstream> make_host_upstream() { return std::make_unique<host_upstream>(); }
-std::unique_ptr<upstream> make_host_on_demand_upstream(std::size_t granule) {
+std::unique_ptr<upstream> make_host_on_demand_upstream(bool checked, std::size_t granule) {
   if (granule == 0) {
     const char* env = std::getenv("TF_MEMGUARD_HOST_GRANULE");
     granule = env != nullptr ? std::strtoull(env, nullptr, 10) : 0;
   }
   const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   if (granule < page || (granule & (granule - 1)) != 0) granule = 64u << 10;
-  return std::make_unique<host_on_demand_upstream>(granule);
+  return std::make_unique<host_on_demand_upstream>(granule, checked);
 }
 
 }  // namespace tfmg

@@ -41,9 +41,16 @@ static void apply_environment(tfmg_pool_options* o) {
   if (const char* v = std::getenv("TF_MEMGUARD_TRACE_CAPACITY")) o->trace_capacity = std::strtoull(v, nullptr, 10);
   if (const char* v = std::getenv("TF_MEMGUARD_ADDRESS_FACTOR")) o->address_factor = std::strtoull(v, nullptr, 10);
   if (const char* v = std::getenv("TF_MEMGUARD_TRIM_ABOVE_PEAK")) o->trim_above_peak = std::strtod(v, nullptr);
-  // Host pools backed on demand (the budget bounds the bytes backed, not address space).
-  if (const char* v = std::getenv("TF_MEMGUARD_HOST_ON_DEMAND")) {
-    if (std::strcmp(v, "1") == 0 && o->upstream == TFMG_UPSTREAM_HOST) o->upstream = TFMG_UPSTREAM_HOST_ON_DEMAND;
+  // Host pools: backed on demand by default ("lazy": the budget bounds the bytes backed,
+  // not address space); "plain": one region of the budget; "checked": backed on demand
+  // with unbacked granules PROT_NONE.
+  if (o->upstream == TFMG_UPSTREAM_HOST) {
+    const char* v = std::getenv("TF_MEMGUARD_HOST_UPSTREAM");
+    if (v == nullptr || std::strcmp(v, "lazy") == 0) {
+      o->upstream = TFMG_UPSTREAM_HOST_LAZY;
+    } else if (std::strcmp(v, "checked") == 0) {
+      o->upstream = TFMG_UPSTREAM_HOST_ON_DEMAND;
+    }  // "plain" (or anything else): as asked
   }
 }
 

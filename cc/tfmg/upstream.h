@@ -73,9 +73,10 @@ class upstream {
 
 // Host memory: mmap for regions, aligned malloc for single blocks.
 std::unique_ptr<upstream> make_host_upstream();
-// Host memory backed on demand in granules of `granule` bytes (mprotect; a power of
-// two, at least a page; 0: 64 KiB, or TF_MEMGUARD_HOST_GRANULE): see host_upstream.cc.
-std::unique_ptr<upstream> make_host_on_demand_upstream(std::size_t granule = 0);
+// Host memory backed on demand in granules of `granule` bytes (a power of two, at least
+// a page; 0: 64 KiB, or TF_MEMGUARD_HOST_GRANULE); `checked`: unbacked granules are
+// PROT_NONE (mprotect), so that touching one faults. See host_upstream.cc.
+std::unique_ptr<upstream> make_host_on_demand_upstream(bool checked, std::size_t granule = 0);
 
 // CUDA memory of `device` through the driver API, loaded at run time; `managed`:
 // cuMemAllocManaged, prefetched to the device. Null with *error when there is no

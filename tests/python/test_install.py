@@ -113,9 +113,11 @@ def test_gpu_allocator_hook_serves_a_pool_on_the_cpu_wheel():
 
 
 @pytest.mark.tf
-def test_tf_memguard_host_on_demand_backs_the_cpu_pool_on_demand():
-    # TF_MEMGUARD_HOST_ON_DEMAND=1: TensorFlow's CPU tensors in a pool whose budget bounds
-    # the bytes backed, with twice the budget in address space.
+@pytest.mark.parametrize("upstream", [None, "checked", "plain"])
+def test_the_cpu_pool_is_backed_on_demand_unless_told_otherwise(upstream):
+    # By default TensorFlow's CPU tensors are in a pool whose budget bounds the bytes
+    # backed, with twice the budget in address space; TF_MEMGUARD_HOST_UPSTREAM=plain
+    # reserves the budget as one region.
     r = run("""
         import tensorflow as tf, tf_memguard
         tf_memguard.install(max_bytes=64 << 20)
@@ -124,8 +126,12 @@ def test_tf_memguard_host_on_demand_backs_the_cpu_pool_on_demand():
         s = tf_memguard.stats()
         emit(reserved=s["bytes_reserved"], in_use=s["bytes_in_use"], largest=s["largest_free_block_bytes"],
              ok=float(y[0, 0]) == 1000.0)
-    """, env={"TF_MEMGUARD_HOST_ON_DEMAND": "1"})
+    """, env={"TF_MEMGUARD_HOST_UPSTREAM": upstream} if upstream else None)
     assert r.returncode == 0, r
     d = r.data
-    assert d["ok"] and d["in_use"] <= d["reserved"] < 16 << 20   # backed: what is used, in 64 KiB granules
-    assert d["largest"] > 64 << 20                                 # address space beyond the budget
+    assert d["ok"]
+    if upstream == "plain":
+        assert d["reserved"] == 64 << 20 and d["largest"] < 64 << 20
+    else:
+        assert d["in_use"] <= d["reserved"] < 16 << 20   # backed: what is used, in 64 KiB granules
+        assert d["largest"] > 64 << 20                    # address space beyond the budget

@@ -327,7 +327,7 @@ def test_cuda_upstream_without_a_driver_or_gpu_says_so():
         pytest.skip("this machine has a GPU")
     with pytest.raises(MemoryError, match="cannot use CUDA memory: (no CUDA driver|cuInit failed)"):
         tf_memguard.Pool(max_bytes=1 << 20, upstream="cuda")
-    with pytest.raises(ValueError, match="upstream='tpu': must be 'host', 'host_on_demand', 'cuda' or 'cuda_managed'"):
+    with pytest.raises(ValueError, match="upstream='tpu': must be 'host', 'host_lazy', 'host_on_demand', 'cuda' or 'cuda_managed'"):
         tf_memguard.Pool(max_bytes=1 << 20, upstream="tpu")
 
 
@@ -380,13 +380,14 @@ def test_the_window_records_its_tightest_fit():
     assert pool.check()
 
 
-def test_backed_on_demand_the_budget_bounds_memory_not_address_space():
+@pytest.mark.parametrize("upstream", ["host_on_demand", "host_lazy"])
+def test_backed_on_demand_the_budget_bounds_memory_not_address_space(upstream):
     # Four 256 KiB blocks fill a 1 MiB budget; two freed leave 512 KiB in two holes. A
     # 512 KiB request fits no hole: with address space = budget it is refused; by
     # default (twice the budget) it goes higher up and the holes' granules are unmapped.
     KiB = 1 << 10
     for factor, served in ((1, False), (0, True)):
-        pool = tf_memguard.Pool(max_bytes=1 * MiB, upstream="host_on_demand", address_factor=factor)
+        pool = tf_memguard.Pool(max_bytes=1 * MiB, upstream=upstream, address_factor=factor)
         blocks = [pool.allocate(256 * KiB) for _ in range(4)]
         pool.free(blocks[0])
         pool.free(blocks[2])

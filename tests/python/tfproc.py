@@ -38,7 +38,7 @@ class Result:
 def run(*parts, env=None, timeout=600):
     """Runs the code `parts` (each dedented on its own, then joined) in a fresh Python."""
     full_env = dict(os.environ)
-    for key in ("TF_MEMGUARD_DISABLE", "TF_CPU_ALLOCATOR_USE_BFC", "TF_MEMGUARD_CORE"):
+    for key in ("TF_MEMGUARD_DISABLE", "TF_CPU_ALLOCATOR_USE_BFC", "TF_MEMGUARD_CORE", "TF_MEMGUARD_HOST_UPSTREAM"):
         full_env.pop(key, None)
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-c", PRELUDE + "\n".join(textwrap.dedent(p) for p in parts)], env=full_env,
