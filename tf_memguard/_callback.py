@@ -128,10 +128,10 @@ class MemGuardCallback(keras.callbacks.Callback):
             (else "CPU:0" on TensorFlow, "GPU:0" on Keras' torch backend).
         warn_at: fraction of the budget at which an epoch's peak draws a warning.
             Defaults to 0.9.
-        headroom: fraction of the budget a suggested batch size leaves free: trial
-            steps aim at (1 - headroom) of the budget; the one-step estimate (without
-            trials) keeps it free for what its model of the step misses. Defaults to
-            0.05.
+        headroom: fraction of the budget a suggested batch size leaves free, for the
+            pool's fragmentation and what the model of the step misses. Defaults to
+            0.15 (TensorFlow runs that ran out by layout did so with up to 12% of the
+            budget free: see benchmarks/NOTES.md).
         batch_size: the training batch size, if it cannot be learned from fit().
             Defaults to None.
         verbose: 0 silences the per-epoch lines and the report; "auto" follows fit()'s
@@ -143,9 +143,12 @@ class MemGuardCallback(keras.callbacks.Callback):
         advice_trials: trial steps run once, after the first epoch of a run whose peak
             reached half of its budget, to measure the advice (array data only; weights
             and optimizer state restored; the pool's unused memory is released after
-            them): the largest size whose trial step fitted, minus 5%. 0: the one-step
-            estimate only, which is on the safe side by more (an MLP: 0.6-0.77 of the
-            largest size that fits, against 0.9 measured). Defaults to 3.
+            them): the largest size whose trial step fitted, minus 5%. Closer to the
+            limit than the one-step estimate (an MLP: 0.87 of the largest size that fits
+            instead of 0.77), but where fragmentation decides (a CNN at 80 MiB that fits
+            at 90-96 samples in half of its runs) a lone step that fits can be luck, and
+            its answer ran out. Defaults to 0 (the one-step estimate, which leaves
+            ``headroom`` free).
 
     Example:
         >>> tf_memguard.install(max_bytes="2GiB")
@@ -153,8 +156,8 @@ class MemGuardCallback(keras.callbacks.Callback):
         >>> print(tf_memguard.report())
     """
 
-    def __init__(self, device=None, warn_at=0.9, headroom=0.05, batch_size=None, verbose="auto",
-                 leak_epochs=3, profile_steps=2, oom_trials=3, advice_trials=3):
+    def __init__(self, device=None, warn_at=0.9, headroom=0.15, batch_size=None, verbose="auto",
+                 leak_epochs=3, profile_steps=2, oom_trials=3, advice_trials=0):
         super().__init__()
         self.device = _install.normalize_device(device) if device is not None else None
         if not (isinstance(warn_at, (int, float)) and 0 < warn_at <= 1):
