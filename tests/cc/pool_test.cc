@@ -58,6 +58,14 @@ void* alloc(tfmg_pool* p, uint64_t n, uint64_t align = 0) {
   return ptr;
 }
 
+// Frees one live block picked at random (the churn loops of the tests below).
+void free_one_at_random(tfmg_pool* p, std::vector<std::pair<void*, uint64_t>>* live, std::mt19937_64* rng) {
+  const size_t k = (*rng)() % live->size();
+  CHECK_OK(tfmg_pool_deallocate(p, (*live)[k].first, nullptr));
+  (*live)[k] = live->back();
+  live->pop_back();
+}
+
 void test_allocations_are_aligned_counted_and_freed() {
   tfmg_pool* p = make_pool(64 * MiB, 2 * MiB);  // regions grown lazily: 2 MiB, then doubling
   void* a = alloc(p, 100);
@@ -285,10 +293,7 @@ void test_random_operations_keep_every_invariant() {
           live.emplace_back(x, n);
         }
       } else {
-        size_t k = rng() % live.size();
-        CHECK_OK(tfmg_pool_deallocate(p, live[k].first, nullptr));
-        live[k] = live.back();
-        live.pop_back();
+        free_one_at_random(p, &live, &rng);
       }
       if (i % 2000 == 0) CHECK(valid(p));
       CHECK(stats(p).bytes_reserved <= static_cast<int64_t>((round + 1) * 16 * MiB));
@@ -400,10 +405,7 @@ void test_backing_on_demand_maps_what_blocks_need_and_gives_it_back() {
         live.emplace_back(x, n);
       }
     } else {
-      size_t k = rng() % live.size();
-      CHECK_OK(tfmg_pool_deallocate(p, live[k].first, nullptr));
-      live[k] = live.back();
-      live.pop_back();
+      free_one_at_random(p, &live, &rng);
     }
     tfmg_stats s = stats(p);
     peak_in_use = std::max(peak_in_use, s.bytes_in_use);
@@ -495,10 +497,7 @@ void test_at_the_budget_free_granules_are_taken_back() {
       std::memset(x, 0x5a, n);
       live.emplace_back(x, n);
     } else {
-      const size_t k = rng() % live.size();
-      CHECK_OK(tfmg_pool_deallocate(p, live[k].first, nullptr));
-      live[k] = live.back();
-      live.pop_back();
+      free_one_at_random(p, &live, &rng);
     }
     const tfmg_stats s = stats(p);
     CHECK(s.bytes_reserved <= static_cast<int64_t>(8 * MiB) && s.bytes_reserved >= s.bytes_in_use);
