@@ -103,16 +103,20 @@ def test_predict_over_budget_raises_and_model_still_predicts_smaller_batches():
     check_refused(r)
 
 
+# fit() at batch 512 under 40 MiB: more than the step needs.
+FIT_OVER_BUDGET = """
+    import tf_memguard
+    tf_memguard.install(max_bytes="40MiB")
+    m = make_model()
+    try:
+        m.fit(x, y, batch_size=512, epochs=1, verbose=0); outcome = "ok"
+    except tf.errors.ResourceExhaustedError as e:
+        outcome = type(e).__name__
+"""
+
+
 def test_fit_over_budget_raises_resource_exhausted():
-    r = run(MODEL, """
-        import tf_memguard
-        tf_memguard.install(max_bytes="40MiB")
-        m = make_model()
-        try:
-            m.fit(x, y, batch_size=512, epochs=1, verbose=0); outcome = "ok"
-        except tf.errors.ResourceExhaustedError as e:
-            outcome = type(e).__name__
-    """, REPORT, env=HARD)
+    r = run(MODEL, FIT_OVER_BUDGET, REPORT, env=HARD)
     check_refused(r)
 
 
@@ -140,15 +144,8 @@ def test_fit_with_xla_over_budget_does_not_crash_and_counts_overshoot():
 
 
 def test_onednn_kernels_over_budget_are_granted_instead_of_crashing():
-    r = run(MODEL, """
-        import tf_memguard
+    r = run(MODEL, FIT_OVER_BUDGET, """
         from tensorflow.python.util import _pywrap_util_port
-        tf_memguard.install(max_bytes="40MiB")
-        m = make_model()
-        try:
-            m.fit(x, y, batch_size=512, epochs=1, verbose=0); outcome = "ok"
-        except tf.errors.ResourceExhaustedError as e:
-            outcome = type(e).__name__
         onednn = _pywrap_util_port.IsMklEnabled()
     """, REPORT, """
 emit(onednn=onednn)
