@@ -106,15 +106,20 @@ def stealing(events):
     return peak, steals
 
 
-def on_demand(ops, trim):
+def on_demand(ops, trim, move=False):
     """The trace through the real pool backed on demand in 2 MiB granules, as a CUDA pool
     (host_on_demand, TF_MEMGUARD_HOST_GRANULE): its own stats, peak_bytes_reserved being
-    the peak of bytes backed."""
-    os.environ["TF_MEMGUARD_HOST_GRANULE"] = str(GRANULE)
+    the peak of bytes backed. move: reclaims move granules as the CUDA upstream does
+    (TF_MEMGUARD_HOST_RETIRE=1); the stats then carry the pool's backing summary."""
+    env = {"TF_MEMGUARD_HOST_GRANULE": str(GRANULE)}
+    if move:
+        env["TF_MEMGUARD_HOST_RETIRE"] = "1"
+    os.environ.update(env)
     try:
         pool = tf_memguard.Pool(max_bytes=8 << 30, alignment=256, upstream="host_on_demand", trim_above_peak=trim)
     finally:
-        del os.environ["TF_MEMGUARD_HOST_GRANULE"]
+        for k in env:
+            del os.environ[k]
     op, size, addr = ops
     live = {}
     for o, n, a in zip(op, size, addr):
@@ -123,6 +128,7 @@ def on_demand(ops, trim):
         elif o == 1:
             pool.free(live.pop(a))
     stats = pool.stats()
+    stats["describe"] = pool.describe()
     pool.close(force=True)
     return stats
 
@@ -156,6 +162,11 @@ def main():
         s = on_demand(ops, trim)
         row(f"the pool backed on demand (2 MiB granules, as CUDA), trim_above_peak {trim}",
             s["peak_bytes_reserved"], f"{s['num_reclaims']} reclaims, {s['bytes_reclaimed'] >> 20} MiB unmapped")
+    for trim in (0.06, 0.04, 0.03, 0.02):
+        s = on_demand(ops, trim, move=True)
+        row(f"the same, trim {trim}, reclaims moving granules (as the CUDA upstream)", s["peak_bytes_reserved"],
+            f"{s['num_reclaims']} reclaims; " + s["describe"].rsplit("; ", 2)[-2:][0] + "; "
+            + s["describe"].rsplit("; ", 1)[-1])
 
     print(f"peak live {tf_memguard.format_bytes(live)} ({live} bytes); granule {GRANULE >> 20} MiB")
     print(f"| layout | peak backed | / peak live | note |\n|---|---|---|---|")

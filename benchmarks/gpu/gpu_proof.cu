@@ -82,8 +82,12 @@ struct correctness {
   bool valid = false;
 };
 
+// sync_before_free: wait for the block's check before freeing it, as a program sharing a
+// pool across streams must. Without it (one stream) the block goes back with its check
+// still queued, as PyTorch frees tensors: stream order alone must keep the reuse right,
+// and reclaims move the physical memory of such blocks with no synchronization.
 correctness random_ops_with_kernels(tfmg_pool* pool, uint64_t budget, int ops, uint32_t seed,
-                                    cudaStream_t stream, unsigned long long* bad_dev) {
+                                    cudaStream_t stream, unsigned long long* bad_dev, bool sync_before_free = true) {
   correctness c;
   std::mt19937 rng(seed);
   struct live_block { uint32_t* p; size_t bytes; uint32_t pattern; };
@@ -108,8 +112,8 @@ correctness random_ops_with_kernels(tfmg_pool* pool, uint64_t budget, int ops, u
       const size_t k = rng() % live.size();
       const live_block b = live[k];
       check<<<blocks_for(b.bytes / 4), 256, 0, stream>>>(b.p, b.bytes / 4, b.pattern, bad_dev);
-      // The block may be handed out again at once: its check must run before any reuse.
-      CUDA_OK(cudaStreamSynchronize(stream));
+      // The block may be handed out again at once, to another stream's work.
+      if (sync_before_free) CUDA_OK(cudaStreamSynchronize(stream));
       tfmg_pool_deallocate(pool, b.p, nullptr);
       live[k] = live.back();
       live.pop_back();
@@ -244,6 +248,27 @@ int main(int argc, char** argv) {
               (unsigned long long)c1.ops, (unsigned long long)c1.allocs, (unsigned long long)c1.refusals,
               (unsigned long long)c1.mismatches, (unsigned long long)c1.budget_violations, c1.valid,
               (long long)c1s.num_reclaims);
+  char backing[512];
+  tfmg_pool_describe(pool, backing, sizeof backing);
+  std::printf("  %s\n", backing);
+  tfmg_pool_destroy(pool, 1);
+
+  // 1b. One stream, blocks freed with their checks still queued (as PyTorch frees), at
+  // a budget that keeps reclaims (granules moved, no synchronization) busy.
+  CUDA_OK(cudaMemset(bad_dev, 0, sizeof(unsigned long long)));
+  pool = make_pool(budget, TFMG_UPSTREAM_CUDA);
+  correctness c1b = random_ops_with_kernels(pool, budget, 20000, 3, stream, bad_dev, false);
+  CUDA_OK(cudaMemcpy(&bad, bad_dev, sizeof bad, cudaMemcpyDeviceToHost));
+  c1b.mismatches = bad;
+  c1b.valid = tfmg_pool_check(pool) == TFMG_OK;
+  tfmg_stats c1bs;
+  tfmg_pool_get_stats(pool, &c1bs);
+  tfmg_pool_describe(pool, backing, sizeof backing);
+  std::printf("queued frees: %llu ops, %llu allocs, %llu refused, %llu mismatching words, %llu budget violations, "
+              "valid=%d, %lld reclaims\n  %s\n",
+              (unsigned long long)c1b.ops, (unsigned long long)c1b.allocs, (unsigned long long)c1b.refusals,
+              (unsigned long long)c1b.mismatches, (unsigned long long)c1b.budget_violations, c1b.valid,
+              (long long)c1bs.num_reclaims, backing);
   tfmg_pool_destroy(pool, 1);
 
   // 2. Eight threads.
@@ -279,6 +304,10 @@ int main(int argc, char** argv) {
      << c1.refusals << ", \"mismatching_words\": " << c1.mismatches << ", \"budget_violations\": "
      << c1.budget_violations << ", \"valid\": " << (c1.valid ? "true" : "false")
      << ", \"num_reclaims\": " << c1s.num_reclaims << "},\n";
+  js << "  \"queued_frees\": {\"ops\": " << c1b.ops << ", \"allocs\": " << c1b.allocs << ", \"refusals\": "
+     << c1b.refusals << ", \"mismatching_words\": " << c1b.mismatches << ", \"budget_violations\": "
+     << c1b.budget_violations << ", \"valid\": " << (c1b.valid ? "true" : "false")
+     << ", \"num_reclaims\": " << c1bs.num_reclaims << ", \"backing\": \"" << backing << "\"},\n";
   js << "  \"threads\": {\"threads\": 8, \"ops\": " << mt_ops << ", \"mismatching_words\": " << bad
      << ", \"budget_violations\": " << mt_viol << ", \"valid\": " << (mt_valid ? "true" : "false")
      << ", \"num_reclaims\": " << st.num_reclaims << "},\n";

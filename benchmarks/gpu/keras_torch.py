@@ -9,9 +9,12 @@ call of this script:
              MemGuardCallback: epoch times, peak bytes backed / peak bytes in use.
              caching and memguard alternate (ABAB); the ratio is of the medians of
              epochs 2-3 (epoch 1 holds cuDNN's autotuning and PyTorch's warm-up).
-  memguard_trim  memguard with TF_MEMGUARD_TRIM_ABOVE_PEAK=--trim (0.04): free granules
-             are unmapped whenever the bytes backed would pass (1 + trim) x the peak in
-             use so far; a third run in each round (ABCABC...).
+             tf_memguard's defaults: on CUDA trim_above_peak 0.04 (free granules move
+             under new blocks whenever the bytes backed would pass 1.04 x the peak in
+             use so far; no device synchronization).
+  memguard_trim  memguard with TF_MEMGUARD_TRIM_ABOVE_PEAK=--trim (default 0: no trim
+             line, the default before granules moved), a third run in each round
+             (ABCABC...); --trim none: no such runs.
   oom        budget = 80% of memguard's peak in use: fit at batch 256 must raise
              torch.OutOfMemoryError carrying tf_memguard's note; then, in the same
              process, cuBLAS still works, the weights are unchanged, and fit at the
@@ -228,6 +231,7 @@ def child(mode, budget):
             out["peak_live"] = s["peak_bytes_in_use"]
             out["num_reclaims"] = s["num_reclaims"]
             out["bytes_reclaimed"] = s["bytes_reclaimed"]
+            out["backing"] = tf_memguard.device_pool("cuda:0").describe()
             out["history_keys"] = sorted(k for k in hist.history if k.startswith("memguard"))
             out["epoch_peaks"] = hist.history["memguard_peak_bytes"]
             out["report"] = str(tf_memguard.report())
@@ -323,9 +327,11 @@ def main():
     ap.add_argument("--timing-only", action="store_true",
                     help="only the timed rounds (caching, memguard, memguard_trim): no traced, oom, naive, "
                          "torch_only or cublas runs; writes gpu_keras_torch_timing.json")
-    ap.add_argument("--trim", type=float, default=0.04,
-                    help="trim_above_peak of the third allocator of each round (0: no such runs)")
+    ap.add_argument("--trim", default="0",
+                    help="TF_MEMGUARD_TRIM_ABOVE_PEAK of the third allocator of each round (default 0: tf_memguard "
+                         "with no trim line; 'none': no such runs)")
     args = ap.parse_args()
+    args.trim = None if args.trim == "none" else float(args.trim)
     if args.child:
         print(json.dumps(child(args.child, args.budget)), flush=True)
         return
@@ -334,7 +340,7 @@ def main():
     for _ in range(args.rounds):
         runs["caching"].append(run_child("caching"))
         runs["memguard"].append(run_child("memguard"))
-        if args.trim:
+        if args.trim is not None:
             runs["memguard_trim"].append(run_child("memguard_trim", TF_MEMGUARD_TRIM_ABOVE_PEAK=str(args.trim)))
     # One more run under tf_memguard with the pool's trace on (not timed: the trace costs).
     skipped = {"skipped": "--timing-only"}
@@ -379,8 +385,8 @@ def main():
         "peak_reserved_over_peak_live": ratio("memguard"),
         "caching_peak_reserved_over_peak_live": ratio("caching"),
         "retry_after_oom_ok": None if args.timing_only else retry_ok,
-        # The same runs with trim_above_peak (the pool unmaps free granules whenever the
-        # bytes backed would pass (1 + trim) x the peak in use so far).
+        # The same runs with TF_MEMGUARD_TRIM_ABOVE_PEAK=--trim (0: the pool holds what
+        # its layout needs, with no trim line).
         "with_trim": {
             "trim_above_peak": args.trim,
             "epoch_time_ratio": (t_trim / t_cache) if t_cache and t_trim else None,
@@ -389,7 +395,7 @@ def main():
             "peak_reserved_over_peak_live": ratio("memguard_trim"),
             "num_reclaims": [r.get("num_reclaims") for r in runs["memguard_trim"]],
             "bytes_reclaimed": [r.get("bytes_reclaimed") for r in runs["memguard_trim"]],
-        } if args.trim else None,
+        } if args.trim is not None else None,
         "oom_budget_bytes": budget,
         "runs": runs, "oom": oom, "naive": naive, "torch_only": torch_only, "cublas": cublas,
         "traced_run": {k: traced.get(k) for k in ("trace_events", "peak_reserved", "peak_live", "returncode")},
@@ -407,11 +413,12 @@ def main():
     print("|---|---|---|")
     print(f"| PyTorch caching | {fmt(t_cache)} | {fmt(ratio('caching'))} |")
     print(f"| tf_memguard | {fmt(t_guard)} | {fmt(ratio('memguard'))} |")
-    if args.trim:
+    if args.trim is not None:
         print(f"| tf_memguard, trim_above_peak {args.trim} | {fmt(t_trim)} | {fmt(ratio('memguard_trim'))} |")
         print(f"with trim: epoch_time_ratio {fmt(result['with_trim']['epoch_time_ratio'])} (per round: "
               f"{', '.join(format(r, '.3f') for r in result['with_trim']['epoch_time_ratio_per_round'])}); "
               f"reclaims per run {result['with_trim']['num_reclaims']}")
+    print("tf_memguard's backing:", runs["memguard"][-1].get("backing") if runs["memguard"] else None)
     print(f"epoch_time_ratio {fmt(result['epoch_time_ratio'])} (per round: "
           f"{', '.join(format(r, '.3f') for r in per_round)}); retry_after_oom_ok {retry_ok}; "
           f"OOM budget {budget} B; suggested {oom.get('suggested')}; find_batch_size {oom.get('find_batch_size')}")

@@ -144,7 +144,7 @@ class Pool {
  public:
   Pool(const py::object& max_bytes, const py::object& alignment, const py::object& region_bytes,
        const py::object& small_threshold, const py::object& trace_capacity, const std::string& upstream,
-       int device, const py::object& address_factor, double trim_above_peak) {
+       int device, const py::object& address_factor, const py::object& trim_above_peak) {
     tfmg_pool_options o;
     tfmg_pool_options_init(&o);
     o.upstream = parse_upstream(upstream);
@@ -155,7 +155,12 @@ class Pool {
     o.small_threshold = to_u64(small_threshold, "small_threshold", false);
     o.trace_capacity = to_u64(trace_capacity, "trace_capacity", false);
     o.address_factor = to_u64(address_factor, "address_factor", false);
-    o.trim_above_peak = trim_above_peak;
+    if (!trim_above_peak.is_none()) {
+      const double t = trim_above_peak.cast<double>();
+      if (!(t >= 0.0)) throw py::value_error("trim_above_peak=" + std::to_string(t) + ": must be 0 (off), a "
+                                             "fraction such as 0.04, or None for the default");
+      o.trim_above_peak = t;
+    }
     call([&] { return tfmg_pool_create(&o, &pool_); });
   }
   // A process-wide device pool: shared with the TensorFlow plugin, never destroyed.
@@ -366,10 +371,10 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<Pool>(m, "Pool")
       .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&,
-                    const py::object&, const std::string&, int, const py::object&, double>(),
+                    const py::object&, const std::string&, int, const py::object&, const py::object&>(),
            py::arg("max_bytes") = 0, py::arg("alignment") = 0, py::arg("region_bytes") = 0,
            py::arg("small_threshold") = 0, py::arg("trace_capacity") = 0, py::arg("upstream") = "host",
-           py::arg("device") = 0, py::arg("address_factor") = 0, py::arg("trim_above_peak") = 0.0)
+           py::arg("device") = 0, py::arg("address_factor") = 0, py::arg("trim_above_peak") = py::none())
       .def("allocate", &Pool::allocate, py::arg("nbytes"), py::arg("alignment") = 0,
            py::arg("must_succeed") = false, py::arg("batch") = false)
       .def("free", &Pool::free, py::arg("address"))

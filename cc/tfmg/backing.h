@@ -2,12 +2,29 @@
 // upstreams that back regions on demand (upstream::backs_on_demand): CUDA virtual
 // memory, and host memory reserved PROT_NONE. The upstream supplies how one granule is
 // mapped and unmapped; this keeps the per-region records and walks the ranges.
+//
+// Moving granules without waiting for the device (retire(), settle()). Unmapping a
+// granule is safe only once the device has finished the work queued before it (kernels
+// may still use a block already freed): a device synchronization, and the host's lead
+// over the device goes with it. A reclaim at the budget does without: retire() takes the
+// physical handles of free granules out of the count and leaves their mappings in place
+// ("stale"), and back() maps those same handles under the granules the new block needs.
+// The new block's work is queued after the old block's, on the same stream, so one
+// physical page serves both, in order (the reasoning by which every caching allocator
+// reuses a freed block at once). A stale granule the pool backs again gets its handle
+// back for free while the handle is still spare; otherwise its mapping must go first, and
+// that is the one place a synchronization is needed (once: every stale mapping goes
+// then). settle() releases the handles retired but not used again, so that the bytes
+// backed equal the physical memory held again.
 #ifndef TFMG_BACKING_H_
 #define TFMG_BACKING_H_
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <map>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace tfmg {
@@ -26,19 +43,42 @@ class backing_map {
     r.bits.assign((size / granule_ + 63) / 64, 0);
   }
 
-  backing_map(const backing_map& o) : granule_(o.granule_), regions_(o.regions_) {}
+  backing_map(const backing_map& o)
+      : granule_(o.granule_), regions_(o.regions_), stale_(o.stale_), spare_(o.spare_), counts_(o.counts_) {}
   backing_map& operator=(const backing_map& o) {
     granule_ = o.granule_;
     regions_ = o.regions_;
+    stale_ = o.stale_;
+    spare_ = o.spare_;
+    counts_ = o.counts_;
     last_ = regions_.end();
     return *this;
   }
 
-  // Unmaps what is backed in the region at base and forgets it.
-  template <class Unmap>
-  void remove_region(std::uintptr_t base, Unmap unmap) {
+  // What back(), retire() and settle() did, for describe().
+  struct counts {
+    std::uint64_t created = 0;      // granules mapped with a new handle
+    std::uint64_t moved = 0;        // granules mapped with a retired handle
+    std::uint64_t reactivated = 0;  // stale granules given their own handle back
+    std::uint64_t retired = 0;      // granules retire() took
+    std::uint64_t syncs = 0;        // synchronizations to unmap stale granules
+  };
+  const counts& stats() const { return counts_; }
+  std::string summary() const {
+    if (counts_.created == 0) return std::string();
+    return "granules mapped " + std::to_string(counts_.created) + " new, " + std::to_string(counts_.moved) +
+           " moved, " + std::to_string(counts_.reactivated) + " reactivated; " +
+           std::to_string(counts_.retired) + " retired, " + std::to_string(counts_.syncs) + " synchronization(s)";
+  }
+
+  // Unmaps what is backed in the region at base and forgets it. The device has
+  // finished its work (the caller synchronized): stale mappings go too (drop(addr)
+  // unmaps one and keeps its handle).
+  template <class Drop, class Unmap>
+  void remove_region(std::uintptr_t base, Drop drop, Unmap unmap) {
     auto it = regions_.find(base);
     if (it == regions_.end()) return;
+    drop_stale(drop);
     release(it, 0, it->second.h.size(), unmap);
     if (last_ == it) last_ = regions_.end();
     regions_.erase(it);
@@ -46,12 +86,16 @@ class backing_map {
 
   bool has_region(std::uintptr_t base) const { return regions_.count(base) != 0; }
 
-  // Backs every granule of [p, p + bytes) that is not. map(addr) returns a handle (0 on
-  // failure); open(addr, bytes) runs once per run of newly mapped granules (false on
-  // failure, and the run is unmapped again). *added: bytes newly backed, also on failure
-  // (runs before the failing one stay backed).
-  template <class Map, class Open, class Unmap>
-  bool back(std::uintptr_t p, std::size_t bytes, Map map, Open open, Unmap unmap, std::size_t* added) {
+  // Backs every granule of [p, p + bytes) that is not. A stale granule whose handle is
+  // still spare gets it back (no call). Otherwise a spare handle is mapped there with
+  // remap(addr, h) (false on failure), or a new one with map(addr) (a handle; 0 on
+  // failure). A stale mapping in the way goes first: sync() once, then drop(addr) for
+  // every stale mapping. open(addr, bytes) runs once per run of granules with a handle
+  // newly mapped (false on failure, and the run is unmapped again). *added: bytes newly
+  // backed, also on failure (runs before the failing one stay backed).
+  template <class Map, class Remap, class Open, class Sync, class Drop, class Unmap>
+  bool back(std::uintptr_t p, std::size_t bytes, Map map, Remap remap, Open open, Sync sync, Drop drop,
+            Unmap unmap, std::size_t* added) {
     *added = 0;
     if (bytes == 0) return true;
     auto it = find(p);
@@ -67,15 +111,45 @@ class backing_map {
       }
       std::size_t end = g;
       while (end <= last && h[end] == 0) ++end;
+      std::size_t first_new = end, last_new = g;  // granules given a handle by a call
       for (std::size_t k = g; k < end; ++k) {
-        h[k] = map(base + k * granule_);
-        if (h[k] == 0) {
-          release(it, g, k, unmap);
-          return false;
+        const std::uintptr_t at = base + k * granule_;
+        handle got = 0;
+        auto st = stale_.find(at);
+        if (st != stale_.end()) {
+          auto sp = std::find(spare_.begin(), spare_.end(), st->second);
+          if (sp != spare_.end()) {
+            got = st->second;  // still mapped here, access and all
+            spare_.erase(sp);
+            stale_.erase(st);
+            ++counts_.reactivated;
+          } else {
+            // Its handle backs another granule now: the work queued before it was
+            // retired must be done before the mapping goes.
+            sync();
+            ++counts_.syncs;
+            drop_stale(drop);
+          }
         }
+        if (got == 0) {
+          if (!spare_.empty() && remap(at, spare_.back())) {
+            got = spare_.back();
+            spare_.pop_back();
+            ++counts_.moved;
+          } else if ((got = map(at)) != 0) {
+            ++counts_.created;
+          } else {
+            release(it, g, k, unmap);
+            return false;
+          }
+          first_new = std::min(first_new, k);
+          last_new = k;
+        }
+        h[k] = got;
         it->second.bits[k / 64] |= std::uint64_t{1} << (k % 64);
       }
-      if (!open(base + g * granule_, (end - g) * granule_)) {
+      // Reactivated granules between new ones get their access set again (harmless).
+      if (first_new < end && !open(base + first_new * granule_, (last_new + 1 - first_new) * granule_)) {
         release(it, g, end, unmap);
         return false;
       }
@@ -117,9 +191,10 @@ class backing_map {
   }
 
   // Unmaps the granules wholly inside [p, p + bytes); returns the bytes unmapped.
-  // before() runs once, before the first granule is unmapped.
-  template <class Before, class Unmap>
-  std::size_t discard(std::uintptr_t p, std::size_t bytes, Before before, Unmap unmap) {
+  // before() runs once, before the first granule is unmapped (a synchronization), and
+  // every stale mapping goes then too (drop(addr)).
+  template <class Before, class Drop, class Unmap>
+  std::size_t discard(std::uintptr_t p, std::size_t bytes, Before before, Drop drop, Unmap unmap) {
     auto it = find(p);
     if (it == regions_.end() || bytes == 0) return 0;
     const std::uintptr_t base = it->first;
@@ -130,7 +205,47 @@ class backing_map {
     for (std::size_t k = first; k < end && !any; ++k) any = it->second.h[k] != 0;
     if (!any) return 0;
     before();
+    drop_stale(drop);
     return release(it, first, end, unmap);
+  }
+
+  // Takes the granules wholly inside [p, p + bytes) out of the backed count, with no
+  // call: their mappings stay (stale) and their handles become spare, for back() to map
+  // elsewhere (see the top of this file). Returns the bytes taken.
+  std::size_t retire(std::uintptr_t p, std::size_t bytes) {
+    auto it = find(p);
+    if (it == regions_.end() || bytes == 0) return 0;
+    const std::uintptr_t base = it->first;
+    const std::size_t first = (p - base + granule_ - 1) / granule_;
+    std::size_t end = (p + bytes - base) / granule_;
+    if (end > it->second.h.size()) end = it->second.h.size();
+    std::size_t gone = 0;
+    for (std::size_t k = first; k < end; ++k) {
+      handle& h = it->second.h[k];
+      if (h == 0) continue;
+      stale_[base + k * granule_] = h;
+      spare_.push_back(h);
+      h = 0;
+      it->second.bits[k / 64] &= ~(std::uint64_t{1} << (k % 64));
+      gone += granule_;
+      ++counts_.retired;
+    }
+    return gone;
+  }
+
+  // Releases the handles retire() took and back() did not map again: sync() once, then
+  // drop(addr) for every stale mapping and free(h) for every spare handle. Returns the
+  // bytes released.
+  template <class Sync, class Drop, class Free>
+  std::size_t settle(Sync sync, Drop drop, Free free) {
+    if (spare_.empty()) return 0;
+    sync();
+    ++counts_.syncs;
+    drop_stale(drop);
+    for (handle h : spare_) free(h);
+    const std::size_t n = spare_.size() * granule_;
+    spare_.clear();
+    return n;
   }
 
  private:
@@ -176,8 +291,19 @@ class backing_map {
     return gone;
   }
 
+  template <class Drop>
+  void drop_stale(Drop drop) {
+    for (const auto& e : stale_) drop(e.first);
+    stale_.clear();
+  }
+
   std::size_t granule_;
   region_map regions_;
+  // Granules retired with their mappings in place: address -> the handle mapped there
+  // (spare, or backing another granule since).
+  std::unordered_map<std::uintptr_t, handle> stale_;
+  std::vector<handle> spare_;  // retired handles not mapped elsewhere yet
+  counts counts_;
   region_map::iterator last_ = regions_.end();  // the region find() returned last
 };
 

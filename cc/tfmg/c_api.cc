@@ -58,6 +58,7 @@ void tfmg_pool_options_init(tfmg_pool_options* o) {
   if (o == nullptr) return;
   std::memset(o, 0, sizeof *o);
   o->upstream = TFMG_UPSTREAM_HOST;
+  o->trim_above_peak = -1.0;  // the upstream's default
 }
 
 tfmg_status tfmg_pool_create(const tfmg_pool_options* o, tfmg_pool** out) {
@@ -83,11 +84,11 @@ tfmg_status tfmg_pool_create(const tfmg_pool_options* o, tfmg_pool** out) {
                                                  ": must be 0 (the default, 2) or 1 to 64");
   }
   c.address_factor = o->address_factor;
-  if (!(o->trim_above_peak >= 0.0 && o->trim_above_peak <= 16.0)) {
+  if (!(o->trim_above_peak <= 16.0)) {  // NaN too
     return fail(TFMG_ERROR_INVALID_ARGUMENT, "trim_above_peak=" + std::to_string(o->trim_above_peak) +
-                                                 ": must be 0 (off) or a fraction such as 0.04, at most 16");
+                                                 ": must be 0 (off), a fraction such as 0.04 (at most 16), "
+                                                 "or negative for the default");
   }
-  c.trim_above_peak = o->trim_above_peak;
   c.trace_capacity = o->trace_capacity;
   std::unique_ptr<tfmg::upstream> up;
   if (o->upstream == TFMG_UPSTREAM_HOST) {
@@ -105,6 +106,7 @@ tfmg_status tfmg_pool_create(const tfmg_pool_options* o, tfmg_pool** out) {
     // traces, mean of four seeds: 1.104 / 1.086 / 1.051 against 1.133 / 1.090 / 1.051).
     c.small_threshold = std::max(c.small_threshold, 4 * up->page_size());
   }
+  c.trim_above_peak = o->trim_above_peak < 0 ? up->default_trim_above_peak() : o->trim_above_peak;
   try {
     *out = new tfmg_pool(std::move(up), c);
   } catch (const std::bad_alloc&) {

@@ -95,8 +95,10 @@ typedef struct tfmg_pool_options {
   uint64_t address_factor;
   /* Where the upstream backs on demand: when backing a block would take the bytes
    * backed above (1 + trim_above_peak) x the most bytes in use so far, free granules
-   * are taken back first: fewer bytes held, at the cost of remapping (on CUDA each
-   * reclaim waits for the device). 0 (default): off, only the budget bounds them. */
+   * are taken back first: fewer bytes held, at the cost of remapping. 0: off, only the
+   * budget bounds them. Negative (what tfmg_pool_options_init sets): the upstream's
+   * default, 0.04 on CUDA virtual memory (a reclaim there moves physical granules
+   * without waiting for the device), 0 elsewhere. */
   double trim_above_peak;
 } tfmg_pool_options;
 

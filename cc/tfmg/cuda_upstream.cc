@@ -9,8 +9,10 @@
 // memory is mapped under it in granules (2 MiB on Hopper: cuMemCreate + cuMemMap +
 // cuMemSetAccess) as the pool hands out blocks there: a budget costs the device what
 // the run has needed, not the whole budget at once (PyTorch's "expandable segments"
-// rest on the same calls). Granules are unmapped only by the pool's release_unused(),
-// after a device synchronization, since kernels still queued may use freed blocks.
+// rest on the same calls). At the budget a reclaim moves the physical memory of free
+// granules under the block that needs it (retire/settle, backing.h); granules are
+// unmapped only after a device synchronization, since kernels still queued may use
+// freed blocks (cuMemUnmap does not wait for them).
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -149,6 +151,8 @@ class cuda_upstream final : public upstream {
     prop_ = CUmemAllocationProp{};
     prop_.type = 1;
     prop_.location = CUmemLocation{1, ordinal_};
+    const char* move = std::getenv("TF_MEMGUARD_CUDA_MOVE");
+    move_granules_ = move == nullptr || move[0] != '0';
     std::size_t g = 0;
     if (vmm && !managed_ && d_->granularity(&g, &prop_, 0) == 0 && g != 0 && (g & (g - 1)) == 0) {
       backing_ = backing_map(g);
@@ -179,11 +183,9 @@ class cuda_upstream final : public upstream {
     d_->ctx_set_current(ctx_);
     const CUdeviceptr dp = static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p));
     if (region && backing_.has_region(dp)) {
-      bool synced = false;
-      backing_.remove_region(dp, [&](std::uintptr_t at, backing_map::handle h) {
-        if (!synced) synced = (d_->ctx_synchronize(), true);
-        unmap(at, h);
-      });
+      sync();  // kernels still queued may use the region's blocks
+      backing_.remove_region(dp, [&](std::uintptr_t at) { drop(at); },
+                             [&](std::uintptr_t at, backing_map::handle h) { unmap(at, h); });
       d_->address_free(dp, sizes_[dp]);
       sizes_.erase(dp);
       return;
@@ -199,11 +201,10 @@ class cuda_upstream final : public upstream {
     // No driver call unless a granule needs mapping: most blocks land where the pool
     // has been before.
     const std::size_t g = backing_.granule();
-    bool current = false;
     return backing_.back(
         reinterpret_cast<std::uintptr_t>(p), bytes,
         [&](std::uintptr_t at) -> backing_map::handle {
-          if (!current) current = (d_->ctx_set_current(ctx_), true);
+          d_->ctx_set_current(ctx_);
           CUmemGenericAllocationHandle h = 0;
           if (d_->mem_create(&h, g, &prop_, 0) != 0) return 0;
           if (d_->mem_map(at, g, 0, h, 0) != 0) {
@@ -212,10 +213,15 @@ class cuda_upstream final : public upstream {
           }
           return h;
         },
+        [&](std::uintptr_t at, backing_map::handle h) {
+          d_->ctx_set_current(ctx_);
+          return d_->mem_map(at, g, 0, h, 0) == 0;
+        },
         [&](std::uintptr_t at, std::size_t n) {
           const CUmemAccessDesc access{CUmemLocation{1, ordinal_}, 3};
           return d_->set_access(at, n, &access, 1) == 0;
         },
+        [&] { sync(); }, [&](std::uintptr_t at) { drop(at); },
         [&](std::uintptr_t at, backing_map::handle h) { unmap(at, h); }, added);
   }
 
@@ -223,13 +229,25 @@ class cuda_upstream final : public upstream {
     if (!vmm()) return 0;
     // Kernels still queued may use blocks already freed: the device finishes first.
     return backing_.discard(
-        reinterpret_cast<std::uintptr_t>(p), bytes,
-        [&] {
-          d_->ctx_set_current(ctx_);
-          d_->ctx_synchronize();
-        },
+        reinterpret_cast<std::uintptr_t>(p), bytes, [&] { sync(); }, [&](std::uintptr_t at) { drop(at); },
         [&](std::uintptr_t at, backing_map::handle h) { unmap(at, h); });
   }
+
+  // A reclaim moves physical granules instead of unmapping them: no synchronization
+  // (backing.h says why that is safe).
+  std::size_t retire(void* p, std::size_t bytes) override {
+    if (!vmm() || !move_granules_) return discard(p, bytes);
+    return backing_.retire(reinterpret_cast<std::uintptr_t>(p), bytes);
+  }
+  void settle() override {
+    if (!vmm()) return;
+    backing_.settle([&] { sync(); }, [&](std::uintptr_t at) { drop(at); },
+                    [&](backing_map::handle h) { d_->mem_release(h); });
+  }
+  // Moving granules costs no synchronization, so the pool keeps the bytes backed within
+  // 4% of the peak in use (benchmarks/NOTES.md: Keras on PyTorch).
+  double default_trim_above_peak() const override { return vmm() && move_granules_ ? 0.04 : 0.0; }
+  std::string backing_summary() const override { return vmm() ? backing_.summary() : std::string(); }
 
   std::size_t unbacked(const void* p, std::size_t bytes) const override {
     return vmm() ? backing_.missing(reinterpret_cast<std::uintptr_t>(p), bytes) : 0;
@@ -249,16 +267,25 @@ class cuda_upstream final : public upstream {
  private:
   bool vmm() const { return backing_.granule() != 0; }
 
+  void sync() {
+    d_->ctx_set_current(ctx_);
+    d_->ctx_synchronize();
+  }
+  // Unmaps a granule and releases its handle (after sync()).
   void unmap(std::uintptr_t at, backing_map::handle h) {
     d_->mem_unmap(at, backing_.granule());
     d_->mem_release(h);
   }
+  // Unmaps a stale granule; its handle lives on elsewhere (after sync()).
+  void drop(std::uintptr_t at) { d_->mem_unmap(at, backing_.granule()); }
 
   const driver* d_;
   CUdevice dev_;
   CUcontext ctx_;
   int ordinal_;
   bool managed_;
+  // TF_MEMGUARD_CUDA_MOVE=0: a reclaim unmaps (after a synchronization) instead of moving.
+  bool move_granules_ = true;
   std::size_t total_ = 0;
   CUmemAllocationProp prop_;
   backing_map backing_;  // granule 0: no virtual memory management (cuMemAlloc regions)

@@ -90,7 +90,10 @@ class host_upstream final : public upstream {
 //     call), giving back is madvise alone.
 class host_on_demand_upstream final : public upstream {
  public:
-  host_on_demand_upstream(std::size_t granule, bool checked) : checked_(checked), backing_(granule) {}
+  host_on_demand_upstream(std::size_t granule, bool checked) : checked_(checked), backing_(granule) {
+    const char* env = std::getenv("TF_MEMGUARD_HOST_RETIRE");
+    emulate_retire_ = env != nullptr && env[0] == '1';
+  }
 
   void* allocate(std::size_t bytes, std::size_t alignment, bool region) override {
     const std::size_t g = backing_.granule();
@@ -106,7 +109,7 @@ class host_on_demand_upstream final : public upstream {
   void deallocate(void* p, std::size_t bytes, std::size_t alignment, bool region) override {
     const auto base = reinterpret_cast<std::uintptr_t>(p);
     if (!region || !backing_.has_region(base)) return plain_.deallocate(p, bytes, alignment, region);
-    backing_.remove_region(base, [](std::uintptr_t, backing_map::handle) {});
+    backing_.remove_region(base, [](std::uintptr_t) {}, [](std::uintptr_t, backing_map::handle) {});
     const std::size_t g = backing_.granule();
     munmap(p, ((bytes == 0 ? 1 : bytes) + g - 1) / g * g);
   }
@@ -115,22 +118,33 @@ class host_on_demand_upstream final : public upstream {
 
   bool back(void* p, std::size_t bytes, std::size_t* added) override {
     return backing_.back(
-        reinterpret_cast<std::uintptr_t>(p), bytes, [](std::uintptr_t) -> backing_map::handle { return 1; },
+        reinterpret_cast<std::uintptr_t>(p), bytes, [this](std::uintptr_t) { return ++handles_; },
+        [](std::uintptr_t, backing_map::handle) { return true; },
         [this](std::uintptr_t at, std::size_t n) {
           return !checked_ || mprotect(reinterpret_cast<void*>(at), n, PROT_READ | PROT_WRITE) == 0;
         },
-        [](std::uintptr_t, backing_map::handle) {}, added);
+        [] {}, [this](std::uintptr_t at) { give_back(at); }, [this](std::uintptr_t at, backing_map::handle) { give_back(at); },
+        added);
   }
 
   std::size_t discard(void* p, std::size_t bytes) override {
-    const std::size_t g = backing_.granule();
     return backing_.discard(
-        reinterpret_cast<std::uintptr_t>(p), bytes, [] {},
-        [this, g](std::uintptr_t at, backing_map::handle) {
-          madvise(reinterpret_cast<void*>(at), g, MADV_DONTNEED);
-          if (checked_) mprotect(reinterpret_cast<void*>(at), g, PROT_NONE);
-        });
+        reinterpret_cast<std::uintptr_t>(p), bytes, [] {}, [this](std::uintptr_t at) { give_back(at); },
+        [this](std::uintptr_t at, backing_map::handle) { give_back(at); });
   }
+
+  // TF_MEMGUARD_HOST_RETIRE=1 runs the CUDA upstream's bookkeeping for reclaims (retired
+  // granules keep their pages until a "synchronization"; see backing.h), so that a trace
+  // replayed on the host counts the moves and synchronizations a GPU would make. Host
+  // memory gains nothing by it (its pages stay until then): an emulation, off by default.
+  std::size_t retire(void* p, std::size_t bytes) override {
+    if (!emulate_retire_) return discard(p, bytes);
+    return backing_.retire(reinterpret_cast<std::uintptr_t>(p), bytes);
+  }
+  void settle() override {
+    backing_.settle([] {}, [this](std::uintptr_t at) { give_back(at); }, [](backing_map::handle) {});
+  }
+  std::string backing_summary() const override { return backing_.summary(); }
 
   std::size_t unbacked(const void* p, std::size_t bytes) const override {
     return backing_.missing(reinterpret_cast<std::uintptr_t>(p), bytes);
@@ -147,9 +161,17 @@ class host_on_demand_upstream final : public upstream {
   }
 
  private:
+  void give_back(std::uintptr_t at) {
+    const std::size_t g = backing_.granule();
+    madvise(reinterpret_cast<void*>(at), g, MADV_DONTNEED);
+    if (checked_) mprotect(reinterpret_cast<void*>(at), g, PROT_NONE);
+  }
+
   const bool checked_;
+  bool emulate_retire_ = false;
   host_upstream plain_;
   backing_map backing_;
+  backing_map::handle handles_ = 0;  // each granule mapped gets a handle of its own
 };
 
 }  // namespace

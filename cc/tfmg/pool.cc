@@ -235,6 +235,7 @@ bool pool::back_block_locked(block* b, bool* device_full) {
   const std::size_t page = upstream_->page_size();
   const bool far = trim_ == 0 && backed_ <= limit_ && b->size + 2 * page <= limit_ - backed_;
   const std::size_t need = far ? 0 : upstream_->unbacked(reinterpret_cast<void*>(b->addr), b->size);
+  bool reclaimed = false;
   if (need > 0) {
     // Over the budget, free granules must go first (or the request is refused, nothing
     // changed); over the trim line (trim_above_peak), they go if there are any.
@@ -252,12 +253,18 @@ bool pool::back_block_locked(block* b, bool* device_full) {
       if (can > 0) {
         bytes_reclaimed_ += static_cast<std::int64_t>(reclaim_locked(std::min(soft, can), false));
         ++num_reclaims_;
+        reclaimed = true;
       }
-      if (backed_ + need > limit_) return false;
+      if (backed_ + need > limit_) {
+        upstream_->settle();
+        return false;
+      }
     }
   }
   std::size_t added = 0;
   const bool ok = upstream_->back(reinterpret_cast<void*>(b->addr), b->size, &added);
+  // What the reclaim retired and back() did not map again is given back now.
+  if (reclaimed) upstream_->settle();
   backed_ += added;  // a failure can leave earlier granules of the range backed
   note_held_locked();
   *device_full = !ok;
@@ -266,7 +273,9 @@ bool pool::back_block_locked(block* b, bool* device_full) {
 
 std::size_t pool::reclaim_locked(std::size_t bytes, bool dry_run) {
   // Largest free blocks first (the tree bins from the top, then the exact lists), and
-  // from a block only what is still needed. One walk of the free blocks at most, and
+  // from a block only what is still needed. Granules are retired, not discarded: the
+  // back() that follows may map their memory again (upstream::retire), and settle()
+  // gives back the rest. One walk of the free blocks at most, and
   // only when the budget (or the trim line) is reached.
   std::size_t gone = 0;
   const std::size_t page = upstream_->page_size();
@@ -274,7 +283,7 @@ std::size_t pool::reclaim_locked(std::size_t bytes, bool dry_run) {
     void* p = reinterpret_cast<void*>(f->addr);
     const std::size_t all = upstream_->discardable(p, f->size);
     if (dry_run || all <= bytes - gone) {
-      if (!dry_run) backed_ -= upstream_->discard(p, f->size);
+      if (!dry_run) backed_ -= upstream_->retire(p, f->size);
       gone += all;
       return gone >= bytes;
     }
@@ -285,7 +294,7 @@ std::size_t pool::reclaim_locked(std::size_t bytes, bool dry_run) {
     const std::uintptr_t lo = base + round_up(f->addr - base, page);
     for (std::uintptr_t at = base + round_down(f->addr + f->size - base, page); at > lo && gone < bytes;
          at -= page) {
-      const std::size_t n = upstream_->discard(reinterpret_cast<void*>(at - page), page);
+      const std::size_t n = upstream_->retire(reinterpret_cast<void*>(at - page), page);
       gone += n;
       backed_ -= n;
     }
@@ -921,9 +930,10 @@ std::string pool::state_locked() const {
 
 std::string pool::describe() const {
   std::lock_guard<std::mutex> lock(mutex_);
+  const std::string backing = upstream_->backing_summary();
   return state_locked() + "; " + std::to_string(regions_.size()) + " region(s), " +
          format_bytes(held_locked()) + " reserved, " + std::to_string(live_.size() + direct_.size()) +
-         " block(s) in use";
+         " block(s) in use" + (backing.empty() ? "" : "; " + backing);
 }
 
 std::vector<tfmg_trace_event> pool::trace(std::uint64_t* dropped) const {

@@ -47,6 +47,20 @@ class upstream {
     return true;
   }
 
+  // As discard(), for a reclaim that back() follows at once: an upstream may take the
+  // range's memory out of the count without giving it back yet, and map it under the
+  // next back() instead (CUDA: moving physical granules needs no device
+  // synchronization; see backing.h). Returns the bytes that stop being counted.
+  virtual std::size_t retire(void* p, std::size_t bytes) { return discard(p, bytes); }
+  // Gives back what retire() took and back() did not use (the pool calls it after every
+  // reclaim), so that the bytes counted are the memory held again.
+  virtual void settle() {}
+  // trim_above_peak where the options leave it to the upstream: worth it only where a
+  // reclaim is cheap.
+  virtual double default_trim_above_peak() const { return 0.0; }
+  // A line on how backing went (granules mapped, moved, synchronizations), or "".
+  virtual std::string backing_summary() const { return std::string(); }
+
   // The bytes back(p, bytes) would newly back (0 for upstreams that do not back on
   // demand): the pool checks them against its budget first.
   virtual std::size_t unbacked(const void* p, std::size_t bytes) const {

@@ -5,12 +5,16 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <functional>
+#include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "cc/tfmg/backing.h"
 #include "cc/tfmg/c_api.h"
 
 namespace {
@@ -567,6 +571,148 @@ void test_lowering_the_budget_drains_regions_that_hold_blocks() {
   CHECK_OK(tfmg_pool_destroy(p, 0));
 }
 
+// Moving granules at a reclaim (backing.h: retire, back, settle), against a model of the
+// CUDA driver: which handle each address maps, which handles exist, and which addresses
+// may still have work queued on them (freed since the last synchronization). Unmapping
+// such an address, or releasing a handle still mapped, is the bug that would corrupt
+// memory on a GPU; the model fails the test on either.
+struct driver_model {
+  std::map<std::uintptr_t, tfmg::backing_map::handle> mapped;
+  std::set<tfmg::backing_map::handle> alive;
+  std::set<std::uintptr_t> queued;  // work may still run on these
+  tfmg::backing_map::handle next = 0;
+  int syncs = 0;
+
+  bool maps(tfmg::backing_map::handle h) const {
+    for (const auto& e : mapped) {
+      if (e.second == h) return true;
+    }
+    return false;
+  }
+  // The callbacks backing_map takes, as the CUDA upstream passes them.
+  template <class F>
+  bool back(tfmg::backing_map& bm, std::uintptr_t at, std::size_t bytes, F&& fail_map, std::size_t* added) {
+    return bm.back(
+        at, bytes,
+        [&](std::uintptr_t a) -> tfmg::backing_map::handle {
+          if (fail_map()) return 0;
+          CHECK(mapped.count(a) == 0);
+          mapped[a] = ++next;
+          alive.insert(next);
+          return next;
+        },
+        [&](std::uintptr_t a, tfmg::backing_map::handle h) {
+          CHECK(mapped.count(a) == 0 && alive.count(h) == 1);
+          mapped[a] = h;
+          return true;
+        },
+        [](std::uintptr_t, std::size_t) { return true; }, [&] { sync(); }, [&](std::uintptr_t a) { drop(a); },
+        [&](std::uintptr_t a, tfmg::backing_map::handle h) { unmap(a, h); }, added);
+  }
+  void settle(tfmg::backing_map& bm) {
+    bm.settle([&] { sync(); }, [&](std::uintptr_t a) { drop(a); },
+              [&](tfmg::backing_map::handle h) {
+                CHECK(!maps(h));
+                alive.erase(h);
+              });
+  }
+  void sync() {
+    queued.clear();
+    ++syncs;
+  }
+  void drop(std::uintptr_t a) {
+    CHECK(mapped.count(a) == 1 && queued.count(a) == 0);
+    mapped.erase(a);
+  }
+  void unmap(std::uintptr_t a, tfmg::backing_map::handle h) {
+    CHECK(mapped.count(a) == 1 && mapped[a] == h && queued.count(a) == 0);
+    mapped.erase(a);
+    CHECK(!maps(h));
+    alive.erase(h);
+  }
+};
+
+void test_reclaims_move_granules_without_waiting() {
+  constexpr std::size_t G = 2 * MiB;
+  const std::uintptr_t base = std::uintptr_t{1} << 40;
+  tfmg::backing_map bm(G);
+  bm.add_region(base, 8 * G);
+  driver_model d;
+  auto never = [] { return false; };
+  std::size_t added = 0;
+  // Granules 0-3 backed (a budget of four), then 0-1 freed with work still queued there.
+  CHECK(d.back(bm, base, 4 * G, never, &added) && added == 4 * G);
+  d.queued = {base, base + G};
+  // A block at 4-5: the free granules' memory moves under it, with no synchronization.
+  CHECK(bm.retire(base, 2 * G) == 2 * G);
+  CHECK(bm.missing(base, 2 * G) == 2 * G);
+  CHECK(d.back(bm, base + 4 * G, 2 * G, never, &added) && added == 2 * G);
+  d.settle(bm);
+  CHECK(d.syncs == 0 && d.alive.size() == 4 && bm.stats().moved == 2 && bm.stats().created == 4);
+  // The steps repeat: 4-5 freed, 0-1 needed again; their handles are spare again, and
+  // still mapped at 0-1: taken back with no call at all.
+  d.queued.insert({base + 4 * G, base + 5 * G});
+  CHECK(bm.retire(base + 4 * G, 2 * G) == 2 * G);
+  CHECK(d.back(bm, base, 2 * G, never, &added) && added == 2 * G);
+  d.settle(bm);
+  CHECK(d.syncs == 0 && d.alive.size() == 4 && bm.stats().reactivated == 2);
+  // 4-5 are stale now (mapped, their handles back at 0-1). Backing 4 with the memory of
+  // granule 3 must unmap 4 first: one synchronization, then every stale mapping goes.
+  d.queued.insert(base + 3 * G);
+  CHECK(bm.retire(base + 3 * G, G) == G);
+  CHECK(d.back(bm, base + 4 * G, G, never, &added) && added == G);
+  d.settle(bm);
+  CHECK(d.syncs == 1 && d.alive.size() == 4 && d.mapped.size() == 4);
+  // A reclaim that retires more than back() maps: settle() gives the rest back.
+  d.queued.insert({base, base + G});
+  CHECK(bm.retire(base, 2 * G) == 2 * G);
+  CHECK(d.back(bm, base + 6 * G, G, never, &added) && added == G);
+  d.settle(bm);
+  CHECK(d.syncs == 2 && d.alive.size() == 3 && d.mapped.size() == 3);
+  // The device full while backing: what was mapped before stays, nothing leaks.
+  CHECK(bm.retire(base + 6 * G, G) == G);
+  int calls = 0;
+  CHECK(!d.back(bm, base + 5 * G, 3 * G, [&] { return ++calls > 1; }, &added));
+  d.settle(bm);
+  CHECK(d.alive.size() == d.mapped.size());
+  bm.remove_region(base, [&](std::uintptr_t a) { d.drop(a); },
+                   [&](std::uintptr_t a, tfmg::backing_map::handle h) { d.unmap(a, h); });
+  CHECK(d.mapped.empty() && d.alive.empty());
+}
+
+// The pool with the host upstream emulating those moves (TF_MEMGUARD_HOST_RETIRE=1):
+// random churn at the budget, every block written whole, the bytes backed never over the
+// budget, and reclaims that move granules.
+void test_moving_granules_under_random_churn() {
+  setenv("TF_MEMGUARD_HOST_RETIRE", "1", 1);
+  tfmg_pool* p = make_on_demand_pool(8 * MiB);
+  unsetenv("TF_MEMGUARD_HOST_RETIRE");
+  std::mt19937_64 rng(7);
+  std::vector<std::pair<void*, uint64_t>> live;
+  for (int i = 0; i < 4000; ++i) {
+    if (live.empty() || rng() % 100 < 52) {
+      const uint64_t n = uint64_t{256} << (rng() % 12);
+      void* x = alloc(p, n + rng() % n);
+      if (x == nullptr) continue;
+      std::memset(x, 0x5a, n);
+      live.emplace_back(x, n);
+    } else {
+      free_one_at_random(p, &live, &rng);
+    }
+    const tfmg_stats s = stats(p);
+    CHECK(s.bytes_reserved <= static_cast<int64_t>(8 * MiB) && s.bytes_reserved >= s.bytes_in_use);
+    if (i % 400 == 0) CHECK(valid(p));
+  }
+  char text[512];
+  tfmg_pool_describe(p, text, sizeof text);
+  const std::string d = text;
+  CHECK(stats(p).num_reclaims > 0);
+  CHECK(d.find(" moved") != std::string::npos && d.find(" 0 moved") == std::string::npos);
+  for (auto& x : live) CHECK_OK(tfmg_pool_deallocate(p, x.first, nullptr));
+  CHECK(valid(p));
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
 }  // namespace
 
 int main() {
@@ -595,6 +741,8 @@ int main() {
        test_backing_on_demand_maps_what_blocks_need_and_gives_it_back},
       {"at_the_budget_free_granules_are_taken_back", test_at_the_budget_free_granules_are_taken_back},
       {"trim_keeps_the_backing_near_the_peak", test_trim_keeps_the_backing_near_the_peak},
+      {"reclaims_move_granules_without_waiting", test_reclaims_move_granules_without_waiting},
+      {"moving_granules_under_random_churn", test_moving_granules_under_random_churn},
   };
   int passed = 0, failed = 0;
   for (const test& t : tests) {
