@@ -61,7 +61,7 @@ class backing_map {
     std::uint64_t moved = 0;        // granules mapped with a retired handle
     std::uint64_t reactivated = 0;  // stale granules given their own handle back
     std::uint64_t retired = 0;      // granules retire() took
-    std::uint64_t syncs = 0;        // synchronizations to unmap stale granules
+    std::uint64_t syncs = 0;        // synchronizations asked for by back() and settle()
   };
   const counts& stats() const { return counts_; }
   std::string summary() const {

@@ -247,6 +247,7 @@ class cuda_upstream final : public upstream {
   // Moving granules costs no synchronization, so the pool keeps the bytes backed within
   // 4% of the peak in use (benchmarks/NOTES.md: Keras on PyTorch).
   double default_trim_above_peak() const override { return vmm() && move_granules_ ? 0.04 : 0.0; }
+  std::uint64_t synchronizations() const override { return syncs_; }
   std::string backing_summary() const override { return vmm() ? backing_.summary() : std::string(); }
 
   std::size_t unbacked(const void* p, std::size_t bytes) const override {
@@ -270,6 +271,7 @@ class cuda_upstream final : public upstream {
   void sync() {
     d_->ctx_set_current(ctx_);
     d_->ctx_synchronize();
+    ++syncs_;
   }
   // Unmaps a granule and releases its handle (after sync()).
   void unmap(std::uintptr_t at, backing_map::handle h) {
@@ -286,6 +288,7 @@ class cuda_upstream final : public upstream {
   bool managed_;
   // TF_MEMGUARD_CUDA_MOVE=0: a reclaim unmaps (after a synchronization) instead of moving.
   bool move_granules_ = true;
+  std::uint64_t syncs_ = 0;  // device synchronizations, all causes
   std::size_t total_ = 0;
   CUmemAllocationProp prop_;
   backing_map backing_;  // granule 0: no virtual memory management (cuMemAlloc regions)

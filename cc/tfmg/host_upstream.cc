@@ -144,6 +144,8 @@ class host_on_demand_upstream final : public upstream {
   void settle() override {
     backing_.settle([] {}, [this](std::uintptr_t at) { give_back(at); }, [](backing_map::handle) {});
   }
+  // Host memory needs none; the emulation counts those a GPU would make.
+  std::uint64_t synchronizations() const override { return backing_.stats().syncs; }
   std::string backing_summary() const override { return backing_.summary(); }
 
   std::size_t unbacked(const void* p, std::size_t bytes) const override {

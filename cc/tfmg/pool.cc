@@ -236,6 +236,8 @@ bool pool::back_block_locked(block* b, bool* device_full) {
   const bool far = trim_ == 0 && backed_ <= limit_ && b->size + 2 * page <= limit_ - backed_;
   const std::size_t need = far ? 0 : upstream_->unbacked(reinterpret_cast<void*>(b->addr), b->size);
   bool reclaimed = false;
+  bool soft_only = false;  // a reclaim for the trim line alone, the budget not reached
+  const std::uint64_t syncs_before = trim_ > 0 ? upstream_->synchronizations() : 0;
   if (need > 0) {
     // Over the budget, free granules must go first (or the request is refused, nothing
     // changed); over the trim line (trim_above_peak), they go if there are any.
@@ -254,6 +256,7 @@ bool pool::back_block_locked(block* b, bool* device_full) {
         bytes_reclaimed_ += static_cast<std::int64_t>(reclaim_locked(std::min(soft, can), false));
         ++num_reclaims_;
         reclaimed = true;
+        soft_only = hard == 0;
       }
       if (backed_ + need > limit_) {
         upstream_->settle();
@@ -265,10 +268,24 @@ bool pool::back_block_locked(block* b, bool* device_full) {
   const bool ok = upstream_->back(reinterpret_cast<void*>(b->addr), b->size, &added);
   // What the reclaim retired and back() did not map again is given back now.
   if (reclaimed) upstream_->settle();
+  if (trim_ > 0) note_trim_locked(reclaimed && soft_only, syncs_before);
   backed_ += added;  // a failure can leave earlier granules of the range backed
   note_held_locked();
   *device_full = !ok;
   return ok;
+}
+
+void pool::note_trim_locked(bool trimmed, std::uint64_t syncs_before) {
+  // Trimming pays off where steps repeat: the granules retired at one step's trim line
+  // are the ones the next step takes back, with no synchronization (backing.h). Where
+  // blocks come and go at random, it synchronizes again and again; then it stops.
+  ++trim_allocs_;
+  if (!trimmed) return;
+  trim_syncs_ += upstream_->synchronizations() - syncs_before;
+  if (trim_syncs_ > 16 && trim_syncs_ * 1000 > trim_allocs_) {
+    trim_ = 0.0;
+    trim_given_up_ = true;
+  }
 }
 
 std::size_t pool::reclaim_locked(std::size_t bytes, bool dry_run) {
@@ -930,7 +947,11 @@ std::string pool::state_locked() const {
 
 std::string pool::describe() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::string backing = upstream_->backing_summary();
+  std::string backing = upstream_->backing_summary();
+  if (trim_given_up_) {
+    backing += "; trim_above_peak turned off after " + std::to_string(trim_syncs_) +
+               " synchronizations in " + std::to_string(trim_allocs_) + " allocations";
+  }
   return state_locked() + "; " + std::to_string(regions_.size()) + " region(s), " +
          format_bytes(held_locked()) + " reserved, " + std::to_string(live_.size() + direct_.size()) +
          " block(s) in use" + (backing.empty() ? "" : "; " + backing);

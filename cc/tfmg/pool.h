@@ -79,7 +79,9 @@ struct pool_config {
   // Where the upstream backs on demand: when backing a block would take the bytes
   // backed above (1 + trim_above_peak) times the largest bytes in use so far, free
   // granules are taken back first (fewer bytes held, more remapping). 0: off, the
-  // budget alone bounds what is backed.
+  // budget alone bounds what is backed. The pool turns it off by itself when trimming
+  // costs the upstream synchronizations (more than 16, and more than one per 1,000
+  // allocations): steps that repeat (training) trim for free, random churn does not.
   double trim_above_peak = 0.0;
 };
 
@@ -227,6 +229,7 @@ class pool {
   bool back_block_locked(block* b, bool* device_full);
   // Unmaps granules wholly inside free blocks until `bytes` are gone (or all are);
   // returns the bytes unmapped, or with dry_run those it would unmap, changing nothing.
+  void note_trim_locked(bool trimmed, std::uint64_t syncs_before);
   std::size_t reclaim_locked(std::size_t bytes, bool dry_run);
   void note_held_locked();
   void describe_pointer_error_locked(std::uintptr_t p, pool_error* error) const;
@@ -262,7 +265,10 @@ class pool {
   std::size_t draining_ = 0;  // of which in draining regions (outside the budget's count)
   const bool backs_;          // the upstream backs regions on demand
   const std::size_t address_factor_;
-  const double trim_;
+  double trim_;                  // 0 once trimming turned out to cost synchronizations
+  std::uint64_t trim_syncs_ = 0;   // synchronizations that trimming caused
+  std::uint64_t trim_allocs_ = 0;  // allocations while trimming was on
+  bool trim_given_up_ = false;
   std::size_t pooled_peak_ = 0;  // the most pooled bytes in use at once (for trim_)
   std::size_t backed_ = 0;    // bytes backed by physical memory, where backs_
 

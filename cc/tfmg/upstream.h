@@ -9,6 +9,7 @@
 #define TFMG_UPSTREAM_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -58,6 +59,8 @@ class upstream {
   // trim_above_peak where the options leave it to the upstream: worth it only where a
   // reclaim is cheap.
   virtual double default_trim_above_peak() const { return 0.0; }
+  // Device synchronizations made so far (CUDA: to unmap granules), for the pool's trim.
+  virtual std::uint64_t synchronizations() const { return 0; }
   // A line on how backing went (granules mapped, moved, synchronizations), or "".
   virtual std::string backing_summary() const { return std::string(); }
 

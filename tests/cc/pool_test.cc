@@ -713,6 +713,52 @@ void test_moving_granules_under_random_churn() {
   CHECK_OK(tfmg_pool_destroy(p, 0));
 }
 
+// trim_above_peak with granules that move: a step that repeats trims with no
+// synchronization after the first steps, so trimming stays on; random churn makes the
+// upstream synchronize again and again, and the pool turns trimming off by itself.
+void test_trim_gives_up_where_it_costs_synchronizations() {
+  setenv("TF_MEMGUARD_HOST_RETIRE", "1", 1);
+  tfmg_pool* steps = make_on_demand_pool(64 * MiB, 0, 0.04);
+  tfmg_pool* churn = make_on_demand_pool(64 * MiB, 0, 0.04);
+  unsetenv("TF_MEMGUARD_HOST_RETIRE");
+  for (int step = 0; step < 500; ++step) {  // a training step's shape: C does not fit A's hole
+    void* a = alloc(steps, 3 * MiB);
+    void* b = alloc(steps, 1 * MiB);
+    CHECK_OK(tfmg_pool_deallocate(steps, a, nullptr));
+    void* c = alloc(steps, 4 * MiB);
+    CHECK(b != nullptr && c != nullptr);
+    if (c != nullptr) std::memset(c, 0x3c, 4 * MiB);
+    CHECK_OK(tfmg_pool_deallocate(steps, b, nullptr));
+    CHECK_OK(tfmg_pool_deallocate(steps, c, nullptr));
+  }
+  std::mt19937_64 rng(11);
+  std::vector<std::pair<void*, uint64_t>> live;
+  for (int i = 0; i < 20000; ++i) {
+    if (live.size() < 64 || (live.size() < 400 && rng() % 2 == 0)) {
+      const uint64_t n = uint64_t{4096} << (rng() % 8);
+      void* x = alloc(churn, n + rng() % n);
+      CHECK(x != nullptr);
+      live.emplace_back(x, n);
+    } else {
+      free_one_at_random(churn, &live, &rng);
+    }
+  }
+  char text[512];
+  tfmg_pool_describe(steps, text, sizeof text);
+  const std::string s = text;
+  tfmg_pool_describe(churn, text, sizeof text);
+  const std::string c = text;
+  CHECK(stats(steps).num_reclaims >= 400);  // every step trims...
+  CHECK(s.find("turned off") == std::string::npos);  // ...and trimming stays on
+  CHECK(stats(churn).num_reclaims > 0);
+  CHECK(c.find("trim_above_peak turned off after") != std::string::npos);
+  if (g_failed_checks != 0) std::fprintf(stderr, "  steps: %s\n  churn: %s\n", s.c_str(), c.c_str());
+  for (auto& x : live) CHECK_OK(tfmg_pool_deallocate(churn, x.first, nullptr));
+  CHECK(valid(steps) && valid(churn));
+  CHECK_OK(tfmg_pool_destroy(steps, 0));
+  CHECK_OK(tfmg_pool_destroy(churn, 0));
+}
+
 }  // namespace
 
 int main() {
@@ -743,6 +789,7 @@ int main() {
       {"trim_keeps_the_backing_near_the_peak", test_trim_keeps_the_backing_near_the_peak},
       {"reclaims_move_granules_without_waiting", test_reclaims_move_granules_without_waiting},
       {"moving_granules_under_random_churn", test_moving_granules_under_random_churn},
+      {"trim_gives_up_where_it_costs_synchronizations", test_trim_gives_up_where_it_costs_synchronizations},
   };
   int passed = 0, failed = 0;
   for (const test& t : tests) {
