@@ -106,7 +106,7 @@ def _model():
     return model
 
 
-def _epoch_timer():
+def _epoch_timer(probe=None):
     import keras
     import torch
 
@@ -114,6 +114,7 @@ def _epoch_timer():
         def __init__(self):
             super().__init__()
             self.seconds = []
+            self.probes = []  # probe() at each epoch's end (tf_memguard: the pool's describe())
 
         def on_epoch_begin(self, epoch, logs=None):
             torch.cuda.synchronize()
@@ -122,6 +123,8 @@ def _epoch_timer():
         def on_epoch_end(self, epoch, logs=None):
             torch.cuda.synchronize()
             self.seconds.append(time.perf_counter() - self._t)
+            if probe is not None:
+                self.probes.append(probe())
 
     return EpochTimes()
 
@@ -210,7 +213,11 @@ def child(mode, budget):
     import keras
     x, y = _data()
     model = _model()
-    timer = _epoch_timer()
+    probe = None
+    if mode == "memguard":
+        import tf_memguard
+        probe = tf_memguard.device_pool("cuda:0").describe
+    timer = _epoch_timer(probe)
     callbacks = [timer]
     if mode in ("memguard", "oom"):
         import tf_memguard
@@ -232,6 +239,7 @@ def child(mode, budget):
             out["num_reclaims"] = s["num_reclaims"]
             out["bytes_reclaimed"] = s["bytes_reclaimed"]
             out["backing"] = tf_memguard.device_pool("cuda:0").describe()
+            out["backing_per_epoch"] = timer.probes
             out["history_keys"] = sorted(k for k in hist.history if k.startswith("memguard"))
             out["epoch_peaks"] = hist.history["memguard_peak_bytes"]
             out["report"] = str(tf_memguard.report())

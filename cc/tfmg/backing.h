@@ -12,10 +12,10 @@
 // The new block's work is queued after the old block's, on the same stream, so one
 // physical page serves both, in order (the reasoning by which every caching allocator
 // reuses a freed block at once). A stale granule the pool backs again gets its handle
-// back for free while the handle is still spare; otherwise its mapping must go first, and
-// that is the one place a synchronization is needed (once: every stale mapping goes
-// then). settle() releases the handles retired but not used again, so that the bytes
-// backed equal the physical memory held again.
+// back for free while the handle is still spare (steps that repeat do this over and
+// over); otherwise its mapping must go first, and that is where a synchronization is
+// needed, unless one came after it was retired. settle() releases the handles retired
+// but not used again, so that the bytes backed equal the physical memory held again.
 #ifndef TFMG_BACKING_H_
 #define TFMG_BACKING_H_
 
@@ -44,12 +44,20 @@ class backing_map {
   }
 
   backing_map(const backing_map& o)
-      : granule_(o.granule_), regions_(o.regions_), stale_(o.stale_), spare_(o.spare_), counts_(o.counts_) {}
+      : granule_(o.granule_),
+        regions_(o.regions_),
+        stale_(o.stale_),
+        spare_(o.spare_),
+        retired_seq_(o.retired_seq_),
+        synced_seq_(o.synced_seq_),
+        counts_(o.counts_) {}
   backing_map& operator=(const backing_map& o) {
     granule_ = o.granule_;
     regions_ = o.regions_;
     stale_ = o.stale_;
     spare_ = o.spare_;
+    retired_seq_ = o.retired_seq_;
+    synced_seq_ = o.synced_seq_;
     counts_ = o.counts_;
     last_ = regions_.end();
     return *this;
@@ -89,13 +97,14 @@ class backing_map {
   // Backs every granule of [p, p + bytes) that is not. A stale granule whose handle is
   // still spare gets it back (no call). Otherwise a spare handle is mapped there with
   // remap(addr, h) (false on failure), or a new one with map(addr) (a handle; 0 on
-  // failure). A stale mapping in the way goes first: sync() once, then drop(addr) for
-  // every stale mapping. open(addr, bytes) runs once per run of granules with a handle
-  // newly mapped (false on failure, and the run is unmapped again). *added: bytes newly
-  // backed, also on failure (runs before the failing one stay backed).
-  template <class Map, class Remap, class Open, class Sync, class Drop, class Unmap>
+  // failure). A stale mapping in the way goes first (drop(addr)), after sync() if it was
+  // retired since the last one. open(addr, bytes) runs once per run of granules with a
+  // handle newly mapped (false on failure). *added: bytes newly backed, also on failure:
+  // runs before the failing one stay backed, the failing run's granules are unbacked
+  // again as retire() does (the caller then calls settle()).
+  template <class Map, class Remap, class Open, class Sync, class Drop>
   bool back(std::uintptr_t p, std::size_t bytes, Map map, Remap remap, Open open, Sync sync, Drop drop,
-            Unmap unmap, std::size_t* added) {
+            std::size_t* added) {
     *added = 0;
     if (bytes == 0) return true;
     auto it = find(p);
@@ -111,27 +120,37 @@ class backing_map {
       }
       std::size_t end = g;
       while (end <= last && h[end] == 0) ++end;
-      std::size_t first_new = end, last_new = g;  // granules given a handle by a call
+      std::size_t run = end;  // the first of the current run of granules newly mapped
+      auto open_run = [&](std::size_t to) {
+        const bool ok = run >= to || open(base + run * granule_, (to - run) * granule_);
+        run = end;
+        return ok;
+      };
       for (std::size_t k = g; k < end; ++k) {
         const std::uintptr_t at = base + k * granule_;
         handle got = 0;
         auto st = stale_.find(at);
         if (st != stale_.end()) {
-          auto sp = std::find(spare_.begin(), spare_.end(), st->second);
+          auto sp = std::find(spare_.begin(), spare_.end(), st->second.h);
           if (sp != spare_.end()) {
-            got = st->second;  // still mapped here, access and all
+            got = st->second.h;  // still mapped here, access and all
             spare_.erase(sp);
-            stale_.erase(st);
             ++counts_.reactivated;
           } else {
-            // Its handle backs another granule now: the work queued before it was
-            // retired must be done before the mapping goes.
-            sync();
-            ++counts_.syncs;
-            drop_stale(drop);
+            // Its handle backs another granule now: the mapping goes, once the work
+            // queued before the granule was retired is done. The other stale
+            // mappings stay, for the steps that take them back.
+            if (st->second.seq > synced_seq_) synchronize(sync);
+            drop(at);
           }
+          stale_.erase(st);
         }
-        if (got == 0) {
+        if (got != 0) {  // reactivated: access set already
+          if (!open_run(k)) {
+            unback(it, g, k);
+            return false;
+          }
+        } else {
           if (!spare_.empty() && remap(at, spare_.back())) {
             got = spare_.back();
             spare_.pop_back();
@@ -139,18 +158,16 @@ class backing_map {
           } else if ((got = map(at)) != 0) {
             ++counts_.created;
           } else {
-            release(it, g, k, unmap);
+            unback(it, g, k);
             return false;
           }
-          first_new = std::min(first_new, k);
-          last_new = k;
+          if (run == end) run = k;
         }
         h[k] = got;
         it->second.bits[k / 64] |= std::uint64_t{1} << (k % 64);
       }
-      // Reactivated granules between new ones get their access set again (harmless).
-      if (first_new < end && !open(base + first_new * granule_, (last_new + 1 - first_new) * granule_)) {
-        release(it, g, end, unmap);
+      if (!open_run(end)) {
+        unback(it, g, end);
         return false;
       }
       *added += (end - g) * granule_;
@@ -215,33 +232,32 @@ class backing_map {
   std::size_t retire(std::uintptr_t p, std::size_t bytes) {
     auto it = find(p);
     if (it == regions_.end() || bytes == 0) return 0;
-    const std::uintptr_t base = it->first;
-    const std::size_t first = (p - base + granule_ - 1) / granule_;
-    std::size_t end = (p + bytes - base) / granule_;
+    const std::size_t first = (p - it->first + granule_ - 1) / granule_;
+    std::size_t end = (p + bytes - it->first) / granule_;
     if (end > it->second.h.size()) end = it->second.h.size();
-    std::size_t gone = 0;
-    for (std::size_t k = first; k < end; ++k) {
-      handle& h = it->second.h[k];
-      if (h == 0) continue;
-      stale_[base + k * granule_] = h;
-      spare_.push_back(h);
-      h = 0;
-      it->second.bits[k / 64] &= ~(std::uint64_t{1} << (k % 64));
-      gone += granule_;
-      ++counts_.retired;
-    }
+    const std::size_t gone = unback(it, first, end);
+    counts_.retired += gone / granule_;
     return gone;
   }
 
-  // Releases the handles retire() took and back() did not map again: sync() once, then
-  // drop(addr) for every stale mapping and free(h) for every spare handle. Returns the
-  // bytes released.
+  // Releases the handles retire() took and back() did not map again: drop(addr) for
+  // every stale mapping of them (after sync(), unless they predate the last one), then
+  // free(h). Returns the bytes released.
   template <class Sync, class Drop, class Free>
   std::size_t settle(Sync sync, Drop drop, Free free) {
     if (spare_.empty()) return 0;
-    sync();
-    ++counts_.syncs;
-    drop_stale(drop);
+    std::vector<std::uintptr_t> gone;
+    bool recent = false;
+    for (const auto& e : stale_) {
+      if (std::find(spare_.begin(), spare_.end(), e.second.h) == spare_.end()) continue;
+      gone.push_back(e.first);
+      recent = recent || e.second.seq > synced_seq_;
+    }
+    if (recent) synchronize(sync);
+    for (std::uintptr_t at : gone) {
+      drop(at);
+      stale_.erase(at);
+    }
     for (handle h : spare_) free(h);
     const std::size_t n = spare_.size() * granule_;
     spare_.clear();
@@ -277,6 +293,26 @@ class backing_map {
     return it;
   }
 
+  // Takes granules [from, to) out of the backed ones with no call: their mappings stay
+  // (stale) and their handles become spare (retire(), and back()'s way out on failure:
+  // settle() then gives them back).
+  std::size_t unback(region_map::iterator it, std::size_t from, std::size_t to) {
+    std::size_t gone = 0;
+    ++retired_seq_;
+    for (std::size_t k = from; k < to; ++k) {
+      handle& h = it->second.h[k];
+      if (h == 0) continue;
+      stale_[it->first + k * granule_] = stale{h, retired_seq_};
+      spare_.push_back(h);
+      h = 0;
+      it->second.bits[k / 64] &= ~(std::uint64_t{1} << (k % 64));
+      gone += granule_;
+    }
+    return gone;
+  }
+
+  // Unmaps granules [from, to) and releases their handles (after a synchronization and
+  // drop_stale(): no other mapping of them is left).
   template <class Unmap>
   std::size_t release(region_map::iterator it, std::size_t from, std::size_t to, Unmap unmap) {
     std::size_t gone = 0;
@@ -291,18 +327,34 @@ class backing_map {
     return gone;
   }
 
+  // Every stale mapping goes (the caller synchronized).
   template <class Drop>
   void drop_stale(Drop drop) {
     for (const auto& e : stale_) drop(e.first);
     stale_.clear();
+    synced_seq_ = retired_seq_;
+  }
+
+  template <class Sync>
+  void synchronize(Sync sync) {
+    sync();
+    ++counts_.syncs;
+    synced_seq_ = retired_seq_;  // everything retired so far is safe to unmap now
   }
 
   std::size_t granule_;
   region_map regions_;
   // Granules retired with their mappings in place: address -> the handle mapped there
-  // (spare, or backing another granule since).
-  std::unordered_map<std::uintptr_t, handle> stale_;
+  // (spare, or backing another granule since) and when it was retired; a mapping
+  // retired before the last synchronization can go without another.
+  struct stale {
+    handle h;
+    std::uint64_t seq;
+  };
+  std::unordered_map<std::uintptr_t, stale> stale_;
   std::vector<handle> spare_;  // retired handles not mapped elsewhere yet
+  std::uint64_t retired_seq_ = 0;  // retire() calls so far
+  std::uint64_t synced_seq_ = 0;   // retired_seq_ at the last synchronization
   counts counts_;
   region_map::iterator last_ = regions_.end();  // the region find() returned last
 };

@@ -221,8 +221,7 @@ class cuda_upstream final : public upstream {
           const CUmemAccessDesc access{CUmemLocation{1, ordinal_}, 3};
           return d_->set_access(at, n, &access, 1) == 0;
         },
-        [&] { sync(); }, [&](std::uintptr_t at) { drop(at); },
-        [&](std::uintptr_t at, backing_map::handle h) { unmap(at, h); }, added);
+        [&] { sync(); }, [&](std::uintptr_t at) { drop(at); }, added);
   }
 
   std::size_t discard(void* p, std::size_t bytes) override {

@@ -123,8 +123,7 @@ class host_on_demand_upstream final : public upstream {
         [this](std::uintptr_t at, std::size_t n) {
           return !checked_ || mprotect(reinterpret_cast<void*>(at), n, PROT_READ | PROT_WRITE) == 0;
         },
-        [] {}, [this](std::uintptr_t at) { give_back(at); }, [this](std::uintptr_t at, backing_map::handle) { give_back(at); },
-        added);
+        [] {}, [this](std::uintptr_t at) { give_back(at); }, added);
   }
 
   std::size_t discard(void* p, std::size_t bytes) override {

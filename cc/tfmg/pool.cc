@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <limits>
@@ -237,6 +238,7 @@ bool pool::back_block_locked(block* b, bool* device_full) {
   const std::size_t need = far ? 0 : upstream_->unbacked(reinterpret_cast<void*>(b->addr), b->size);
   bool reclaimed = false;
   bool soft_only = false;  // a reclaim for the trim line alone, the budget not reached
+  std::chrono::steady_clock::time_point reclaim_start;
   const std::uint64_t syncs_before = trim_ > 0 ? upstream_->synchronizations() : 0;
   if (need > 0) {
     // Over the budget, free granules must go first (or the request is refused, nothing
@@ -250,6 +252,7 @@ bool pool::back_block_locked(block* b, bool* device_full) {
       soft = std::max(hard, after > cap ? after - cap : 0);
     }
     if (soft > 0) {
+      reclaim_start = std::chrono::steady_clock::now();
       const std::size_t can = reclaim_locked(soft, /*dry_run=*/true);
       if (can < hard) return false;
       if (can > 0) {
@@ -266,8 +269,13 @@ bool pool::back_block_locked(block* b, bool* device_full) {
   }
   std::size_t added = 0;
   const bool ok = upstream_->back(reinterpret_cast<void*>(b->addr), b->size, &added);
-  // What the reclaim retired and back() did not map again is given back now.
-  if (reclaimed) upstream_->settle();
+  // What the reclaim retired and back() did not map again (or unbacked again on
+  // failure) is given back now.
+  if (reclaimed || !ok) upstream_->settle();
+  if (reclaimed) {
+    reclaim_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                                          reclaim_start).count();
+  }
   if (trim_ > 0) note_trim_locked(reclaimed && soft_only, syncs_before);
   backed_ += added;  // a failure can leave earlier granules of the range backed
   note_held_locked();
@@ -948,6 +956,12 @@ std::string pool::state_locked() const {
 std::string pool::describe() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::string backing = upstream_->backing_summary();
+  if (num_reclaims_ > 0) {
+    char ms[64];
+    std::snprintf(ms, sizeof ms, "; %lld reclaims took %.1f ms", static_cast<long long>(num_reclaims_),
+                  reclaim_ns_ / 1e6);
+    backing += ms;
+  }
   if (trim_given_up_) {
     backing += "; trim_above_peak turned off after " + std::to_string(trim_syncs_) +
                " synchronizations in " + std::to_string(trim_allocs_) + " allocations";

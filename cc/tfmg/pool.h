@@ -266,6 +266,7 @@ class pool {
   const bool backs_;          // the upstream backs regions on demand
   const std::size_t address_factor_;
   double trim_;                  // 0 once trimming turned out to cost synchronizations
+  std::uint64_t reclaim_ns_ = 0;   // time in reclaims (walks, unmapping, backing after)
   std::uint64_t trim_syncs_ = 0;   // synchronizations that trimming caused
   std::uint64_t trim_allocs_ = 0;  // allocations while trimming was on
   bool trim_given_up_ = false;
