@@ -184,12 +184,9 @@ class backing_map {
     --it;
     const std::uintptr_t base = it->first;
     if (p >= base + it->second.h.size() * granule_) return 0;
-    std::size_t n = 0;
-    const std::size_t last = (p + bytes - 1 - base) / granule_;
-    for (std::size_t g = (p - base) / granule_; g <= last && g < it->second.h.size(); ++g) {
-      n += it->second.h[g] == 0;
-    }
-    return n * granule_;
+    const std::size_t first = (p - base) / granule_;
+    const std::size_t end = std::min((p + bytes - 1 - base) / granule_ + 1, it->second.h.size());
+    return (end - first - it->second.count(first, end)) * granule_;
   }
 
   // Bytes discard(p, bytes) would unmap: backed granules wholly inside the range.
@@ -202,9 +199,34 @@ class backing_map {
     const std::size_t first = (p - base + granule_ - 1) / granule_;
     std::size_t end = (p + bytes - base) / granule_;
     if (end > it->second.h.size()) end = it->second.h.size();
-    std::size_t n = 0;
-    for (std::size_t k = first; k < end; ++k) n += it->second.h[k] != 0;
-    return n * granule_;
+    return first < end ? it->second.count(first, end) * granule_ : 0;
+  }
+
+  // Where the top part of [p, p + bytes) holding `want` bytes of backed granules wholly
+  // inside the range begins (a granule boundary; the first whole granule if the range
+  // holds fewer).
+  std::uintptr_t from_top(std::uintptr_t p, std::size_t bytes, std::size_t want) const {
+    auto it = regions_.upper_bound(p);
+    if (bytes == 0 || it == regions_.begin()) return p;
+    --it;
+    const std::uintptr_t base = it->first;
+    const record& r = it->second;
+    if (p >= base + r.h.size() * granule_) return p;
+    const std::size_t first = (p - base + granule_ - 1) / granule_;
+    const std::size_t end = std::min((p + bytes - base) / granule_, r.h.size());
+    std::size_t need = (want + granule_ - 1) / granule_;
+    if (need == 0 || first >= end) return base + first * granule_;
+    for (std::size_t w = (end - 1) / 64 + 1; w-- > first / 64;) {
+      std::uint64_t m = r.word(w, first, end);
+      const std::size_t c = static_cast<std::size_t>(__builtin_popcountll(m));
+      if (c < need) {
+        need -= c;
+        continue;
+      }
+      while (--need > 0) m &= ~(std::uint64_t{1} << (63 - __builtin_clzll(m)));  // the top ones
+      return base + (w * 64 + 63 - __builtin_clzll(m)) * granule_;
+    }
+    return base + first * granule_;
   }
 
   // Unmaps the granules wholly inside [p, p + bytes); returns the bytes unmapped.
@@ -218,9 +240,7 @@ class backing_map {
     const std::size_t first = (p - base + granule_ - 1) / granule_;
     std::size_t end = (p + bytes - base) / granule_;
     if (end > it->second.h.size()) end = it->second.h.size();
-    bool any = false;
-    for (std::size_t k = first; k < end && !any; ++k) any = it->second.h[k] != 0;
-    if (!any) return 0;
+    if (first >= end || it->second.count(first, end) == 0) return 0;
     before();
     drop_stale(drop);
     return release(it, first, end, unmap);
@@ -277,6 +297,27 @@ class backing_map {
       }
       return true;
     }
+    // The backed bits of word w that lie in [first, end).
+    std::uint64_t word(std::size_t w, std::size_t first, std::size_t end) const {
+      std::uint64_t m = bits[w];
+      if (w == first / 64) m &= ~std::uint64_t{0} << (first % 64);
+      if (w == end / 64) m &= (std::uint64_t{1} << (end % 64)) - 1;
+      return m;
+    }
+    // Backed granules in [first, end), a word at a time: a free block of a large
+    // address space (the top of a region) is mostly unbacked.
+    std::size_t count(std::size_t first, std::size_t end) const {
+      std::size_t n = 0;
+      for (std::size_t w = first / 64; w * 64 < end; ++w) n += __builtin_popcountll(word(w, first, end));
+      return n;
+    }
+    // f(k) for every backed granule k of [first, end), in order (f may unback k).
+    template <class F>
+    void each_backed(std::size_t first, std::size_t end, F f) const {
+      for (std::size_t w = first / 64; w * 64 < end; ++w) {
+        for (std::uint64_t m = word(w, first, end); m != 0; m &= m - 1) f(w * 64 + __builtin_ctzll(m));
+      }
+    }
   };
   using region_map = std::map<std::uintptr_t, record>;
 
@@ -299,15 +340,14 @@ class backing_map {
   std::size_t unback(region_map::iterator it, std::size_t from, std::size_t to) {
     std::size_t gone = 0;
     ++retired_seq_;
-    for (std::size_t k = from; k < to; ++k) {
-      handle& h = it->second.h[k];
-      if (h == 0) continue;
-      stale_[it->first + k * granule_] = stale{h, retired_seq_};
-      spare_.push_back(h);
-      h = 0;
-      it->second.bits[k / 64] &= ~(std::uint64_t{1} << (k % 64));
+    record& r = it->second;
+    r.each_backed(from, to, [&](std::size_t k) {
+      stale_[it->first + k * granule_] = stale{r.h[k], retired_seq_};
+      spare_.push_back(r.h[k]);
+      r.h[k] = 0;
+      r.bits[k / 64] &= ~(std::uint64_t{1} << (k % 64));
       gone += granule_;
-    }
+    });
     return gone;
   }
 
@@ -316,14 +356,13 @@ class backing_map {
   template <class Unmap>
   std::size_t release(region_map::iterator it, std::size_t from, std::size_t to, Unmap unmap) {
     std::size_t gone = 0;
-    for (std::size_t k = from; k < to; ++k) {
-      handle& h = it->second.h[k];
-      if (h == 0) continue;
-      unmap(it->first + k * granule_, h);
-      h = 0;
-      it->second.bits[k / 64] &= ~(std::uint64_t{1} << (k % 64));
+    record& r = it->second;
+    r.each_backed(from, to, [&](std::size_t k) {
+      unmap(it->first + k * granule_, r.h[k]);
+      r.h[k] = 0;
+      r.bits[k / 64] &= ~(std::uint64_t{1} << (k % 64));
       gone += granule_;
-    }
+    });
     return gone;
   }
 

@@ -255,6 +255,10 @@ class cuda_upstream final : public upstream {
   std::size_t discardable(const void* p, std::size_t bytes) const override {
     return vmm() ? backing_.inside(reinterpret_cast<std::uintptr_t>(p), bytes) : 0;
   }
+  std::uintptr_t backed_from_top(const void* p, std::size_t bytes, std::size_t want) const override {
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    return vmm() ? backing_.from_top(a, bytes, want) : a;
+  }
 
   std::size_t default_alignment() const override { return 256; }
   // The driver's granularity (2 MiB): regions and backing come in multiples of it.

@@ -153,6 +153,9 @@ class host_on_demand_upstream final : public upstream {
   std::size_t discardable(const void* p, std::size_t bytes) const override {
     return backing_.inside(reinterpret_cast<std::uintptr_t>(p), bytes);
   }
+  std::uintptr_t backed_from_top(const void* p, std::size_t bytes, std::size_t want) const override {
+    return backing_.from_top(reinterpret_cast<std::uintptr_t>(p), bytes, want);
+  }
 
   std::size_t default_alignment() const override { return plain_.default_alignment(); }
   std::size_t page_size() const override { return backing_.granule(); }

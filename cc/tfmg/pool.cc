@@ -312,17 +312,12 @@ std::size_t pool::reclaim_locked(std::size_t bytes, bool dry_run) {
       gone += all;
       return gone >= bytes;
     }
-    // Granule by granule from the block's high end: the rest stays backed for the
-    // blocks that will be carved there.
-    // Granules are counted from the region's base (host regions are only page-aligned).
-    const std::uintptr_t base = f->owner->base;
-    const std::uintptr_t lo = base + round_up(f->addr - base, page);
-    for (std::uintptr_t at = base + round_down(f->addr + f->size - base, page); at > lo && gone < bytes;
-         at -= page) {
-      const std::size_t n = upstream_->retire(reinterpret_cast<void*>(at - page), page);
-      gone += n;
-      backed_ -= n;
-    }
+    // Only what is still needed, from the block's high end: the rest stays backed for
+    // the blocks that will be carved there.
+    const std::uintptr_t lo = upstream_->backed_from_top(p, f->size, bytes - gone);
+    const std::size_t n = upstream_->retire(reinterpret_cast<void*>(lo), f->addr + f->size - lo);
+    gone += n;
+    backed_ -= n;
     return gone >= bytes;
   };
   for (unsigned bin = kBins; bin-- > 0;) {

@@ -53,6 +53,13 @@ class upstream {
   // next back() instead (CUDA: moving physical granules needs no device
   // synchronization; see backing.h). Returns the bytes that stop being counted.
   virtual std::size_t retire(void* p, std::size_t bytes) { return discard(p, bytes); }
+  // Where the top part of [p, p + bytes) that holds `want` bytes of what discardable()
+  // counts begins (a granule boundary; p when the range holds less).
+  virtual std::uintptr_t backed_from_top(const void* p, std::size_t bytes, std::size_t want) const {
+    (void)bytes;
+    (void)want;
+    return reinterpret_cast<std::uintptr_t>(p);
+  }
   // Gives back what retire() took and back() did not use (the pool calls it after every
   // reclaim), so that the bytes counted are the memory held again.
   virtual void settle() {}

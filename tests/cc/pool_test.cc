@@ -679,6 +679,23 @@ void test_reclaims_move_granules_without_waiting() {
   d.settle(bm);
   CHECK(bm.missing(base + 5 * G, 3 * G) == 3 * G);
   CHECK(d.syncs == 4 && d.alive.size() == 2 && d.mapped.size() == 3);
+  // Counting and finding backed granules a word at a time, in a region of 200.
+  tfmg::backing_map big(G);
+  const std::uintptr_t b2 = base + (std::uintptr_t{1} << 36);
+  big.add_region(b2, 200 * G);
+  for (std::size_t k : {3, 70, 130, 131, 199}) CHECK(d.back(big, b2 + k * G, G, never, &added) && added == G);
+  CHECK(big.inside(b2, 200 * G) == 5 * G && big.inside(b2 + 1, 199 * G) == 4 * G);  // granule 0..1 not whole
+  CHECK(big.missing(b2, 200 * G) == 195 * G && big.missing(b2 + 130 * G, 2 * G) == 0);
+  CHECK(big.from_top(b2, 200 * G, G) == b2 + 199 * G);
+  CHECK(big.from_top(b2, 200 * G, 2 * G) == b2 + 131 * G);
+  CHECK(big.from_top(b2, 200 * G, 3 * G + 1) == b2 + 70 * G);  // rounds up to four granules
+  CHECK(big.from_top(b2, 199 * G, 2 * G) == b2 + 130 * G);     // 199 is outside
+  CHECK(big.from_top(b2 + G / 2, 200 * G - G / 2, 10 * G) == b2 + G);  // fewer: the first whole granule
+  CHECK(big.retire(big.from_top(b2, 200 * G, 2 * G), 69 * G) == 2 * G);
+  CHECK(big.inside(b2, 200 * G) == 3 * G);
+  d.settle(big);
+  big.remove_region(b2, [&](std::uintptr_t a) { d.drop(a); },
+                    [&](std::uintptr_t a, tfmg::backing_map::handle h) { d.unmap(a, h); });
   bm.remove_region(base, [&](std::uintptr_t a) { d.drop(a); },
                    [&](std::uintptr_t a, tfmg::backing_map::handle h) { d.unmap(a, h); });
   CHECK(d.mapped.empty() && d.alive.empty());
