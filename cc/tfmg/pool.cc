@@ -300,10 +300,9 @@ std::size_t pool::reclaim_locked(std::size_t bytes, bool dry_run) {
   // Largest free blocks first (the tree bins from the top, then the exact lists), and
   // from a block only what is still needed. Granules are retired, not discarded: the
   // back() that follows may map their memory again (upstream::retire), and settle()
-  // gives back the rest. One walk of the free blocks at most, and
-  // only when the budget (or the trim line) is reached.
+  // gives back the rest. One walk of the free blocks at most, and only when the budget
+  // (or the trim line) is reached; the upstream counts backed granules a word at a time.
   std::size_t gone = 0;
-  const std::size_t page = upstream_->page_size();
   auto take = [&](block* f) {
     void* p = reinterpret_cast<void*>(f->addr);
     const std::size_t all = upstream_->discardable(p, f->size);

@@ -448,6 +448,31 @@ tfmg_pool* make_on_demand_pool(uint64_t budget, uint64_t address_factor = 0, dou
   return p;
 }
 
+// 4,000 random operations (52% allocations of 256 B to 1 MiB, each written whole) on a
+// pool backed on demand at `budget`: what is backed never passes the budget.
+void churn_at_budget(tfmg_pool* p, uint64_t budget, uint64_t seed, std::vector<std::pair<void*, uint64_t>>* live,
+                     int* served, int* refused) {
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < 4000; ++i) {
+    if (live->empty() || rng() % 100 < 52) {
+      const uint64_t n = uint64_t{256} << (rng() % 12);  // 256 B to 512 KiB
+      void* x = alloc(p, n + rng() % n);
+      if (x == nullptr) {
+        ++*refused;
+        continue;
+      }
+      ++*served;
+      std::memset(x, 0x5a, n);
+      live->emplace_back(x, n);
+    } else {
+      free_one_at_random(p, live, &rng);
+    }
+    const tfmg_stats s = stats(p);
+    CHECK(s.bytes_reserved <= static_cast<int64_t>(budget) && s.bytes_reserved >= s.bytes_in_use);
+    if (i % 400 == 0) CHECK(valid(p));
+  }
+}
+
 // Backed on demand, the budget bounds the bytes backed, not the address space: a request
 // with no hole large enough among the budget's first bytes is placed higher up, and the
 // granules of free blocks are taken back to back it. Without room to reclaim, refused.
@@ -486,27 +511,9 @@ void test_at_the_budget_free_granules_are_taken_back() {
   // Random churn at the budget: every block handed out is written whole, what is backed
   // never passes the budget, and reclaims happen.
   tfmg_pool* p = make_on_demand_pool(8 * MiB);
-  std::mt19937_64 rng(5);
   std::vector<std::pair<void*, uint64_t>> live;
   int served = 0, refused = 0;
-  for (int i = 0; i < 4000; ++i) {
-    if (live.empty() || rng() % 100 < 52) {
-      const uint64_t n = uint64_t{256} << (rng() % 12);  // 256 B to 512 KiB
-      void* x = alloc(p, n + rng() % n);
-      if (x == nullptr) {
-        ++refused;
-        continue;
-      }
-      ++served;
-      std::memset(x, 0x5a, n);
-      live.emplace_back(x, n);
-    } else {
-      free_one_at_random(p, &live, &rng);
-    }
-    const tfmg_stats s = stats(p);
-    CHECK(s.bytes_reserved <= static_cast<int64_t>(8 * MiB) && s.bytes_reserved >= s.bytes_in_use);
-    if (i % 400 == 0) CHECK(valid(p));
-  }
+  churn_at_budget(p, 8 * MiB, 5, &live, &served, &refused);
   CHECK(served > 1500 && refused > 0 && stats(p).num_reclaims > 0);
   for (auto& x : live) CHECK_OK(tfmg_pool_deallocate(p, x.first, nullptr));
   CHECK(valid(p));
@@ -708,22 +715,9 @@ void test_moving_granules_under_random_churn() {
   setenv("TF_MEMGUARD_HOST_RETIRE", "1", 1);
   tfmg_pool* p = make_on_demand_pool(8 * MiB);
   unsetenv("TF_MEMGUARD_HOST_RETIRE");
-  std::mt19937_64 rng(7);
   std::vector<std::pair<void*, uint64_t>> live;
-  for (int i = 0; i < 4000; ++i) {
-    if (live.empty() || rng() % 100 < 52) {
-      const uint64_t n = uint64_t{256} << (rng() % 12);
-      void* x = alloc(p, n + rng() % n);
-      if (x == nullptr) continue;
-      std::memset(x, 0x5a, n);
-      live.emplace_back(x, n);
-    } else {
-      free_one_at_random(p, &live, &rng);
-    }
-    const tfmg_stats s = stats(p);
-    CHECK(s.bytes_reserved <= static_cast<int64_t>(8 * MiB) && s.bytes_reserved >= s.bytes_in_use);
-    if (i % 400 == 0) CHECK(valid(p));
-  }
+  int served = 0, refused = 0;
+  churn_at_budget(p, 8 * MiB, 7, &live, &served, &refused);
   char text[512];
   tfmg_pool_describe(p, text, sizeof text);
   const std::string d = text;
