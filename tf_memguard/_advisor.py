@@ -278,6 +278,14 @@ def search(model, x, y, budget, pool, points=(), trials=4, start=None, hold=None
                       target_bytes=budget, method="trial steps", measured=best > 0), points
 
 
+def input_bytes_per_sample(x, y=None):
+    """Bytes of one sample of the arrays x and y (a batch's worth is b times this)."""
+    import keras
+    arrays = [a for part in (x, y) if part is not None for a in keras.tree.flatten(part)
+              if hasattr(a, "nbytes") and hasattr(a, "shape") and len(a.shape) > 0]
+    return sum(int(a.nbytes) // max(int(a.shape[0]), 1) for a in arrays)
+
+
 def fit_holds(x, y=None, prefetched=2, framework="tensorflow", copies=True):
     """What fit() keeps in the pool beside a step, for arrays x and y.
 
@@ -291,7 +299,7 @@ def fit_holds(x, y=None, prefetched=2, framework="tensorflow", copies=True):
     import keras
     arrays = [a for part in (x, y) if part is not None for a in keras.tree.flatten(part)
               if hasattr(a, "nbytes") and hasattr(a, "shape") and len(a.shape) > 0]
-    per_sample = sum(int(a.nbytes) // max(int(a.shape[0]), 1) for a in arrays)
+    per_sample = input_bytes_per_sample(x, y)
     if framework == "torch":
         return lambda batch_size: [per_sample * batch_size]
     copy = sum(int(a.nbytes) for a in arrays) if copies else 0

@@ -16,8 +16,12 @@ from tf_memguard._units import format_bytes
 # The share of the largest batch size that fitted a trial step (or of the estimate) that
 # is suggested after an out-of-memory error: the retry must fit, first time.
 OOM_SAFETY = 0.75
-# The share taken off a size measured by trial steps during a run (as find_batch_size).
-ADVICE_MARGIN = 0.05
+# The share taken off a size measured by trial steps during a run: the trials aim at
+# MEASURED_HEADROOM below the budget already; a run near the limit still differs from
+# its trials by a few percent (the README's example: 240 ran out where its trial said 97%).
+ADVICE_MARGIN = 0.03
+# Where measured advice aims its trial steps: 95% of the budget (then ADVICE_MARGIN off).
+MEASURED_HEADROOM = 0.05
 # A one-step estimate that grows the running batch size by less than this share is not
 # suggested (the running size, measured to fit, is): so close to the limit, where the
 # pool's layout decides, the estimate is not that precise (the CNN of test_advice at 80
@@ -143,12 +147,12 @@ class MemGuardCallback(keras.callbacks.Callback):
         advice_trials: trial steps run once, after the first epoch of a run whose peak
             reached half of its budget, to measure the advice (array data only; weights
             and optimizer state restored; the pool's unused memory is released after
-            them): the largest size whose trial step fitted, minus 5%. Closer to the
-            limit than the one-step estimate (an MLP: 0.87 of the largest size that fits
-            instead of 0.77), but where fragmentation decides (a CNN at 80 MiB that fits
-            at 90-96 samples in half of its runs) a lone step that fits can be luck, and
-            its answer ran out. Defaults to 0 (the one-step estimate, which leaves
-            ``headroom`` free).
+            them). The first two repeat the running batch size, to learn what fit()
+            holds beside a lone step; the others hold that (at least one batch of
+            input) and head for 95% of the
+            budget; the advice is the largest size that fitted (or where the measured
+            peaks cross 95%), minus 3%, and at least the running size. 0: the one-step
+            estimate, which leaves ``headroom`` free. Defaults to 6 (a training step each).
 
     Example:
         >>> tf_memguard.install(max_bytes="2GiB")
@@ -157,7 +161,7 @@ class MemGuardCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, device=None, warn_at=0.9, headroom=0.15, batch_size=None, verbose="auto",
-                 leak_epochs=3, profile_steps=2, oom_trials=3, advice_trials=0):
+                 leak_epochs=3, profile_steps=2, oom_trials=3, advice_trials=6):
         super().__init__()
         self.device = _install.normalize_device(device) if device is not None else None
         if not (isinstance(warn_at, (int, float)) and 0 < warn_at <= 1):
@@ -356,44 +360,85 @@ class MemGuardCallback(keras.callbacks.Callback):
     def _measure_suggestion(self):
         """Trial steps beside the running fit() (its data and iterator in the pool, as
         for its own steps), from the running batch size towards where peak memory reaches
-        (1 - headroom) of the budget; the model's weights and optimizer state are
-        restored. The largest size whose trial fitted, minus ADVICE_MARGIN. None without
-        array data or trials, or when fewer than two trials fitted."""
+        (1 - MEASURED_HEADROOM) of the budget; the model's weights and optimizer state
+        are restored. The largest size whose trial fitted, minus ADVICE_MARGIN. None
+        without array data or trials, when a trial at the running size is refused, or
+        when fewer than two sizes fitted.
+
+        A lone step needs less than a step inside fit(), which holds batches prepared
+        ahead and more beside it. The first two trials repeat the running size b0; what
+        the epoch's peak exceeded the smaller of them by is that extra, and every trial
+        holds it as a block in the pool. It is not scaled with the batch: measured on the
+        test models, it grew more slowly than the batch for an MLP (tf.data's prefetch is
+        autotuned) and faster for a CNN; scaled, the MLP's advice fell to 0.7 of what fits
+        (benchmarks/NOTES.md, "Batch-size advice"). The 95% target and ADVICE_MARGIN
+        cover the CNN's growth.
+        """
         if not self.advice_trials or not _is_arrays(self._fit_x):
             return None
-        # What fit() holds beside a step at a larger size (batches prepared ahead) beyond
-        # what it holds now at the running size; its copy of the data is there already.
-        fit_hold = _advisor.fit_holds(self._fit_x, self._fit_y, copies=False, framework=_backend.framework())
         b0 = self._run_batch
-
-        def hold(size):
-            return [max(fit_hold(size)[0] - fit_hold(b0)[0], 0)]
-
+        fit_peak = max(r.peak_bytes for r in self._records)
         self._in_trials = True
+        snapshot = _advisor._Snapshot(self.model)
         try:
-            # The first trial repeats the running batch size, so that every point of the
-            # line is measured the same way (a trial's peak and a fit() step's differ).
+            # Twice: what fit() leaves live at an epoch's end varies, and a trial
+            # inflated by it would hide the extra.
+            first = None
+            for _ in range(2):
+                p = _advisor.trial_step(self.model, self._fit_x, self._fit_y, b0, self._pool)
+                snapshot.restore()
+                if not p.fits:
+                    return None
+                first = p if first is None or p.peak_bytes < first.peak_bytes else first
+            extra = max(0, fit_peak - first.peak_bytes)
+            # The first point as fit() meets it: with the extra held.
+            known = [_advisor.Point(**{**first.__dict__, "peak_bytes": first.peak_bytes + extra})]
+
+            # At least one input batch: fit() may have the next batch prepared beside
+            # its step, and whether it was at the running size's peak is timing.
+            per_sample = _advisor.input_bytes_per_sample(self._fit_x, self._fit_y)
+
+            def hold(size):
+                return [int(max(extra, per_sample * size))]
+
             _, points = _advisor.search(self.model, self._fit_x, self._fit_y, self._budget, self._pool,
-                                        trials=self.advice_trials, start=b0, headroom=self.headroom,
-                                        hold=hold)
+                                        points=known, trials=self.advice_trials - 2, start=b0,
+                                        headroom=MEASURED_HEADROOM, hold=hold)
         except self._oom_types:
             return None
         finally:
+            snapshot.restore()
             self._in_trials = False
-        line = _advisor.suggest(points, self._budget, headroom=self.headroom, max_batch=self._num_samples())
+        line = _advisor.suggest(points, self._budget, headroom=MEASURED_HEADROOM, max_batch=self._num_samples())
         fitted = [p.batch_size for p in points if p.fits]
         if line is None or len(fitted) < 2:
             return None
         # The largest size whose trial step fitted (the trials head for where the line
-        # reaches (1 - headroom) of the budget; the line itself is not trusted beyond
-        # them: two close, noisy points once gave a slope that put 152 within a budget
-        # where 99 does not fit); then, as in find_batch_size, 5% off: a lone step that
-        # fits can be lucky in the pool's layout.
+        # reaches (1 - MEASURED_HEADROOM) of the budget; the line itself is not trusted
+        # beyond them: two close, noisy points once gave a slope that put 152 within a
+        # budget where 99 does not fit); then ADVICE_MARGIN off: a lone step that fits
+        # can be lucky in the pool's layout.
         size = max(fitted)
+        # A trial that fitted above the target was close to the limit, where fitting is
+        # luck of the layout: the size is taken where the measured peaks cross the target.
+        target = self._budget * (1.0 - MEASURED_HEADROOM)
+        ok = sorted((p for p in points if p.fits), key=lambda p: p.batch_size)
+        above = [p for p in ok if p.peak_bytes > target]
+        if above:
+            hi = above[0]
+            below = [p for p in ok if p.peak_bytes <= target and p.batch_size < hi.batch_size]
+            if not below:
+                return None
+            lo = below[-1]
+            size = min(size, int(lo.batch_size + (target - lo.peak_bytes) * (hi.batch_size - lo.batch_size)
+                                 / (hi.peak_bytes - lo.peak_bytes)))
+        size = int(size * (1 - ADVICE_MARGIN))
+        if size < b0 * (1 + MIN_GROWTH):
+            size = b0  # not much room measured: the running size, which trained, stands
         return _advisor.Suggestion(
-            batch_size=max(1, int(size * (1 - ADVICE_MARGIN))), fixed_bytes=line.fixed_bytes,
+            batch_size=size, fixed_bytes=line.fixed_bytes,
             per_sample_bytes=line.per_sample_bytes, target_bytes=line.target_bytes,
-            method=f"{len(points)} trial steps", measured=True)
+            method=f"{len(points) + 1} trial steps", measured=True)
 
     def _num_samples(self):
         if _is_arrays(self._fit_x):

@@ -60,16 +60,19 @@ def test_suggested_batch_size_trains_without_running_out(kind, budget, batch):
     assert fits(kind, budget, size)["fits"], f"suggested {size} ran out of memory"
 
 
-# The 85% target is met for the LSTM. Not for the MLP (the one-step estimate stays on the
-# safe side by too much: 0.6-0.77) nor the CNN (66 suggested with the 15% headroom, where
-# bisection now finds ~106 in the pool backed on demand). Measured advice
-# (advice_trials=3, headroom=0.05) met it for all three (0.90-0.98) but over-suggested by
-# ~10% for the README's example, so it is not the default. Kept as a measurement, not
-# hidden: benchmarks/NOTES.md ("Batch-size advice").
-@pytest.mark.xfail(reason="the one-step suggestion: MLP 0.6-0.77 of the largest size that fits, "
-                          "the CNN ~0.6", strict=False)
-@pytest.mark.parametrize("kind,budget,batch", CASES)
+# Measured advice (the default: two trial steps at the running size, then up to four
+# heading for 95% of the budget, 3% off) meets the 85% target for the CNN and the LSTM.
+# The MLP's memory barely grows with the batch (5% of the budget is ~11% of its size) and
+# its trial peaks vary by ~2 MiB at one size, so it lands at 0.74 to over 0.85 of the
+# largest size that fits: met in two runs of five. Kept as a measurement, not hidden:
+# benchmarks/NOTES.md ("Batch-size advice").
+MLP_XFAIL = pytest.mark.xfail(reason="the MLP: 0.74 to over 0.85 of the largest size that fits (its trial "
+                                     "peaks vary by 5% of the budget, ~11% of its size)", strict=False)
+
+
+@pytest.mark.parametrize("kind,budget,batch", [pytest.param(*CASES[0], marks=MLP_XFAIL)] + CASES[1:])
 def test_suggested_batch_size_is_at_least_85_percent_of_the_largest(kind, budget, batch):
     size = suggestion(kind, budget, batch)
     best = bisect_max(kind, budget, size, 4 * max(size, batch))
+    print(f"{kind}: suggested {size}, largest that fits {best} ({size / best:.2f})")
     assert size >= 0.85 * best, f"suggested {size}, largest that fits {best}"
