@@ -227,9 +227,12 @@ class pool {
   // needed. False (nothing backed beyond what was) when the budget or the device has
   // no room; *device_full tells which.
   bool back_block_locked(block* b, bool* device_full);
-  // Unmaps granules wholly inside free blocks until `bytes` are gone (or all are);
-  // returns the bytes unmapped, or with dry_run those it would unmap, changing nothing.
+  // Counts what trimming cost the upstream (synchronizations since syncs_before) and
+  // turns it off when that is too much.
   void note_trim_locked(bool trimmed, std::uint64_t syncs_before);
+  // Takes back (retires) granules wholly inside free blocks until `bytes` are gone (or
+  // all are); returns the bytes taken, or with dry_run those it would take, changing
+  // nothing.
   std::size_t reclaim_locked(std::size_t bytes, bool dry_run);
   void note_held_locked();
   void describe_pointer_error_locked(std::uintptr_t p, pool_error* error) const;
