@@ -214,7 +214,7 @@ class backing_map {
     if (p >= base + r.h.size() * granule_) return p;
     const std::size_t first = (p - base + granule_ - 1) / granule_;
     const std::size_t end = std::min((p + bytes - base) / granule_, r.h.size());
-    std::size_t need = (want + granule_ - 1) / granule_;
+    std::size_t need = want / granule_ + (want % granule_ != 0);
     if (need == 0 || first >= end) return base + first * granule_;
     for (std::size_t w = (end - 1) / 64 + 1; w-- > first / 64;) {
       std::uint64_t m = r.word(w, first, end);
@@ -246,10 +246,14 @@ class backing_map {
     return release(it, first, end, unmap);
   }
 
-  // Takes the granules wholly inside [p, p + bytes) out of the backed count, with no
-  // call: their mappings stay (stale) and their handles become spare, for back() to map
-  // elsewhere (see the top of this file). Returns the bytes taken.
-  std::size_t retire(std::uintptr_t p, std::size_t bytes) {
+  // Takes the top backed granules wholly inside [p, p + bytes), `want` bytes of them (or
+  // all), out of the backed count, with no call: their mappings stay (stale) and their
+  // handles become spare, for back() to map elsewhere (see the top of this file).
+  // Returns the bytes taken.
+  std::size_t retire(std::uintptr_t p, std::size_t bytes, std::size_t want = SIZE_MAX) {
+    const std::uintptr_t lo = from_top(p, bytes, want);
+    bytes -= lo - p;
+    p = lo;
     auto it = find(p);
     if (it == regions_.end() || bytes == 0) return 0;
     const std::size_t first = (p - it->first + granule_ - 1) / granule_;

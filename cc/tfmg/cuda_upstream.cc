@@ -234,9 +234,12 @@ class cuda_upstream final : public upstream {
 
   // A reclaim moves physical granules instead of unmapping them: no synchronization
   // (backing.h says why that is safe).
-  std::size_t retire(void* p, std::size_t bytes) override {
-    if (!vmm() || !move_granules_) return discard(p, bytes);
-    return backing_.retire(reinterpret_cast<std::uintptr_t>(p), bytes);
+  std::size_t retire(void* p, std::size_t bytes, std::size_t want) override {
+    if (!vmm()) return 0;
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    if (move_granules_) return backing_.retire(a, bytes, want);
+    const std::uintptr_t lo = backing_.from_top(a, bytes, want);
+    return discard(reinterpret_cast<void*>(lo), bytes - (lo - a));
   }
   void settle() override {
     if (!vmm()) return;
@@ -254,10 +257,6 @@ class cuda_upstream final : public upstream {
   }
   std::size_t discardable(const void* p, std::size_t bytes) const override {
     return vmm() ? backing_.inside(reinterpret_cast<std::uintptr_t>(p), bytes) : 0;
-  }
-  std::uintptr_t backed_from_top(const void* p, std::size_t bytes, std::size_t want) const override {
-    const auto a = reinterpret_cast<std::uintptr_t>(p);
-    return vmm() ? backing_.from_top(a, bytes, want) : a;
   }
 
   std::size_t default_alignment() const override { return 256; }

@@ -136,9 +136,11 @@ class host_on_demand_upstream final : public upstream {
   // granules keep their pages until a "synchronization"; see backing.h), so that a trace
   // replayed on the host counts the moves and synchronizations a GPU would make. Host
   // memory gains nothing by it (its pages stay until then): an emulation, off by default.
-  std::size_t retire(void* p, std::size_t bytes) override {
-    if (!emulate_retire_) return discard(p, bytes);
-    return backing_.retire(reinterpret_cast<std::uintptr_t>(p), bytes);
+  std::size_t retire(void* p, std::size_t bytes, std::size_t want) override {
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    if (emulate_retire_) return backing_.retire(a, bytes, want);
+    const std::uintptr_t lo = backing_.from_top(a, bytes, want);
+    return discard(reinterpret_cast<void*>(lo), bytes - (lo - a));
   }
   void settle() override {
     backing_.settle([] {}, [this](std::uintptr_t at) { give_back(at); }, [](backing_map::handle) {});
@@ -152,9 +154,6 @@ class host_on_demand_upstream final : public upstream {
   }
   std::size_t discardable(const void* p, std::size_t bytes) const override {
     return backing_.inside(reinterpret_cast<std::uintptr_t>(p), bytes);
-  }
-  std::uintptr_t backed_from_top(const void* p, std::size_t bytes, std::size_t want) const override {
-    return backing_.from_top(reinterpret_cast<std::uintptr_t>(p), bytes, want);
   }
 
   std::size_t default_alignment() const override { return plain_.default_alignment(); }

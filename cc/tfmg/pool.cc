@@ -239,7 +239,7 @@ bool pool::back_block_locked(block* b, bool* device_full) {
   bool reclaimed = false;
   bool soft_only = false;  // a reclaim for the trim line alone, the budget not reached
   std::chrono::steady_clock::time_point reclaim_start;
-  const std::uint64_t syncs_before = trim_ > 0 ? upstream_->synchronizations() : 0;
+  std::uint64_t syncs_before = 0;
   if (need > 0) {
     // Over the budget, free granules must go first (or the request is refused, nothing
     // changed); over the trim line (trim_above_peak), they go if there are any.
@@ -253,6 +253,7 @@ bool pool::back_block_locked(block* b, bool* device_full) {
     }
     if (soft > 0) {
       reclaim_start = std::chrono::steady_clock::now();
+      syncs_before = upstream_->synchronizations();
       const std::size_t can = reclaim_locked(soft, /*dry_run=*/true);
       if (can < hard) return false;
       if (can > 0) {
@@ -305,18 +306,11 @@ std::size_t pool::reclaim_locked(std::size_t bytes, bool dry_run) {
   std::size_t gone = 0;
   auto take = [&](block* f) {
     void* p = reinterpret_cast<void*>(f->addr);
-    const std::size_t all = upstream_->discardable(p, f->size);
-    if (dry_run || all <= bytes - gone) {
-      if (!dry_run) backed_ -= upstream_->retire(p, f->size);
-      gone += all;
-      return gone >= bytes;
-    }
     // Only what is still needed, from the block's high end: the rest stays backed for
     // the blocks that will be carved there.
-    const std::uintptr_t lo = upstream_->backed_from_top(p, f->size, bytes - gone);
-    const std::size_t n = upstream_->retire(reinterpret_cast<void*>(lo), f->addr + f->size - lo);
+    const std::size_t n = dry_run ? upstream_->discardable(p, f->size) : upstream_->retire(p, f->size, bytes - gone);
+    if (!dry_run) backed_ -= n;
     gone += n;
-    backed_ -= n;
     return gone >= bytes;
   };
   for (unsigned bin = kBins; bin-- > 0;) {

@@ -48,17 +48,15 @@ class upstream {
     return true;
   }
 
-  // As discard(), for a reclaim that back() follows at once: an upstream may take the
-  // range's memory out of the count without giving it back yet, and map it under the
+  // As discard(), for a reclaim that back() follows at once, and only the top part of
+  // [p, p + bytes) that holds `want` bytes of what discardable() counts (all of it when
+  // it holds less): the rest stays backed for the blocks carved there. An upstream may
+  // take that memory out of the count without giving it back yet, and map it under the
   // next back() instead (CUDA: moving physical granules needs no device
   // synchronization; see backing.h). Returns the bytes that stop being counted.
-  virtual std::size_t retire(void* p, std::size_t bytes) { return discard(p, bytes); }
-  // Where the top part of [p, p + bytes) that holds `want` bytes of what discardable()
-  // counts begins (a granule boundary; p when the range holds less).
-  virtual std::uintptr_t backed_from_top(const void* p, std::size_t bytes, std::size_t want) const {
-    (void)bytes;
+  virtual std::size_t retire(void* p, std::size_t bytes, std::size_t want) {
     (void)want;
-    return reinterpret_cast<std::uintptr_t>(p);
+    return discard(p, bytes);
   }
   // Gives back what retire() took and back() did not use (the pool calls it after every
   // reclaim), so that the bytes counted are the memory held again.
