@@ -278,12 +278,16 @@ def search(model, x, y, budget, pool, points=(), trials=4, start=None, hold=None
                       target_bytes=budget, method="trial steps", measured=best > 0), points
 
 
+def _arrays(x, y=None):
+    """The arrays of x and y (structures of arrays, as for fit())."""
+    import keras
+    return [a for part in (x, y) if part is not None for a in keras.tree.flatten(part)
+            if hasattr(a, "nbytes") and hasattr(a, "shape") and len(a.shape) > 0]
+
+
 def input_bytes_per_sample(x, y=None):
     """Bytes of one sample of the arrays x and y (a batch's worth is b times this)."""
-    import keras
-    arrays = [a for part in (x, y) if part is not None for a in keras.tree.flatten(part)
-              if hasattr(a, "nbytes") and hasattr(a, "shape") and len(a.shape) > 0]
-    return sum(int(a.nbytes) // max(int(a.shape[0]), 1) for a in arrays)
+    return sum(int(a.nbytes) // max(int(a.shape[0]), 1) for a in _arrays(x, y))
 
 
 def fit_holds(x, y=None, prefetched=2, framework="tensorflow", copies=True):
@@ -296,13 +300,10 @@ def fit_holds(x, y=None, prefetched=2, framework="tensorflow", copies=True):
     hold(batch_size): one block, the copy being one long-lived tensor that the step's
     tensors are placed around. `copies=False` leaves the copy out (when the pool holds
     one already, as inside fit())."""
-    import keras
-    arrays = [a for part in (x, y) if part is not None for a in keras.tree.flatten(part)
-              if hasattr(a, "nbytes") and hasattr(a, "shape") and len(a.shape) > 0]
     per_sample = input_bytes_per_sample(x, y)
     if framework == "torch":
         return lambda batch_size: [per_sample * batch_size]
-    copy = sum(int(a.nbytes) for a in arrays) if copies else 0
+    copy = sum(int(a.nbytes) for a in _arrays(x, y)) if copies else 0
     return lambda batch_size: [copy + per_sample * batch_size * prefetched]
 
 
