@@ -362,9 +362,9 @@ class MemGuardCallback(keras.callbacks.Callback):
         """Trial steps beside the running fit() (its data and iterator in the pool, as
         for its own steps), from the running batch size towards where peak memory reaches
         (1 - MEASURED_HEADROOM) of the budget; the model's weights and optimizer state
-        are restored. The largest size whose trial fitted, minus ADVICE_MARGIN. None
-        without array data or trials, when a trial at the running size is refused, or
-        when fewer than two sizes fitted.
+        are restored. The largest size whose trial fitted, minus ADVICE_MARGIN (the
+        running size when no larger one fitted). None without array data or trials, or
+        when a trial at the running size is refused.
 
         A lone step needs less than a step inside fit(), which holds batches prepared
         ahead and more beside it. The first two trials repeat the running size b0; what
@@ -413,8 +413,14 @@ class MemGuardCallback(keras.callbacks.Callback):
             self._in_trials = False
         line = _advisor.suggest(points, self._budget, headroom=MEASURED_HEADROOM, max_batch=self._num_samples())
         fitted = [p.batch_size for p in points if p.fits]
-        if line is None or len(fitted) < 2:
+        if line is None:
             return None
+        if max(fitted) <= b0:
+            # Every larger trial was refused: no room measured to grow, and the running
+            # size trained.
+            return _advisor.Suggestion(batch_size=b0, fixed_bytes=line.fixed_bytes,
+                                       per_sample_bytes=line.per_sample_bytes, target_bytes=line.target_bytes,
+                                       method=f"{len(points) + 1} trial steps", measured=True)
         # The largest size whose trial step fitted (the trials head for where the line
         # reaches (1 - MEASURED_HEADROOM) of the budget; the line itself is not trusted
         # beyond them: two close, noisy points once gave a slope that put 152 within a
