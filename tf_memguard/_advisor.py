@@ -72,16 +72,24 @@ class Suggestion:
 
 
 def fit_line(points):
-    """Fixed and per-sample bytes from the two fitting points that bracket the largest
-    size best (least squares would blur the concave curve's local slope)."""
-    ok = sorted({p.batch_size: p for p in points if p.fits}.values(), key=lambda p: p.batch_size)
-    if len(ok) < 2:
+    """Fixed and per-sample bytes: the least-squares line through the steps that fitted.
+
+    Peaks measured at one size vary from run to run (tf.data's threads decide which
+    prepared batches are live at a step's peak: the test MLP read 37.6-39.5 MiB in five
+    trials at 3,000 samples), so a line through two points follows their noise (a slope
+    from two of those points once said 374 more samples cost 0.2 MiB); every point,
+    repeats included, counts. On a concave curve the line is steeper than the curve at
+    its top, so extrapolating it is on the safe side."""
+    ok = [p for p in points if p.fits]
+    if len({p.batch_size for p in ok}) < 2:
         return None
-    a, b = ok[-2], ok[-1]
-    slope = (b.peak_bytes - a.peak_bytes) / (b.batch_size - a.batch_size)
+    mean_b = sum(p.batch_size for p in ok) / len(ok)
+    mean_peak = sum(p.peak_bytes for p in ok) / len(ok)
+    var = sum((p.batch_size - mean_b) ** 2 for p in ok)
+    slope = sum((p.batch_size - mean_b) * (p.peak_bytes - mean_peak) for p in ok) / var
     if slope <= 0:
         return None
-    return b.peak_bytes - slope * b.batch_size, slope
+    return mean_peak - slope * mean_b, slope
 
 
 def suggest(points, budget, headroom=0.1, max_batch=None, fixed_step_bytes=0):
@@ -212,6 +220,157 @@ def trial_step(model, x, y, batch_size, pool, hold=()):
     return point
 
 
+def _pool_block_bytes(pool, tensor):
+    """Bytes of the pool block that holds a CPU tensor's data (0 when it is not one)."""
+    import numpy as np
+    try:
+        return pool.block_size(np.asarray(tensor).__array_interface__["data"][0])
+    except (ValueError, _core.PoolError):
+        return 0
+
+
+class FitTrials:
+    """Trial steps run the way fit() runs them on TensorFlow, for arrays x and y.
+
+    A lone ``train_on_batch`` step needs less than a step of fit(), which feeds its steps
+    from a tf.data pipeline: Keras' array adapter gathers each batch from one tensor
+    copy of the arrays in a parallel map, and prefetches (both autotuned), so batches
+    being prepared are live beside the step, more of them at its first steps. How much
+    of that meets the step's peak differs by model and is timing (measured on the test
+    MLP: fit() at 3,500 samples peaked about 4 MiB over a lone step; benchmarks/NOTES.md).
+    So a trial here builds the same pipeline (a fresh one per trial, as fit() starts
+    one per epoch) over a copy of the arrays made once, and runs a train function made
+    for the trials (the model's own is left as it was) on it for a few steps; its peak
+    is the largest step window.
+
+    Inside a running fit() its own copy of the arrays is live already: the caller
+    raises the budget by ``copy_bytes`` for the trials (see MemGuardCallback), and the
+    points report peaks without the trials' copy. Call close() when done.
+    """
+
+    def __init__(self, model, x, y, pool, steps=2):
+        import keras
+        import tensorflow as tf
+
+        self.model = model
+        # A train function of its own, traced afresh: what a step needs depends on the
+        # traces before it (TensorFlow relaxes shapes on retracing). The test MLP, trained
+        # at 2,048 samples (a known batch size), then tried at 3,000 in the same
+        # function, peaked 1.5 MiB under a new process's fit() at 3,000; in a function of
+        # its own, whose first trace has an unknown batch size as fit()'s has, it matched.
+        current = model.train_function
+        try:
+            model.train_function = None
+            model.make_train_function(force=True)
+            self.train_function = model.train_function
+        finally:
+            model.train_function = current
+        self.pool = pool
+        self.steps = steps
+        self.n = _num_samples(x)
+        parts = tuple(part for part in (x, y) if part is not None)
+        self.tensors = keras.tree.map_structure(tf.convert_to_tensor, parts)
+        # What of the copy is in the pool (TensorFlow takes small tensors from elsewhere);
+        # counted block by block: the pool's total moves with fit()'s own threads.
+        self.copy_bytes = sum(_pool_block_bytes(pool, t) for t in keras.tree.flatten(self.tensors))
+
+    def _dataset(self, batch_size, steps):
+        import tensorflow as tf
+
+        n, b = self.n, min(batch_size, self.n)
+        full = n // b
+        # Not converted by AutoGraph (nothing to convert): it caches a conversion per code
+        # object, and these closures, made again for every size, once made it fail with
+        # "closure mismatch" in a test run.
+        plain = tf.autograph.experimental.do_not_convert
+
+        @plain
+        def permutation(_):
+            return tf.random.shuffle(tf.range(n, dtype=tf.int64))
+
+        @plain
+        def batches(indices):
+            # With the last, partial batch as fit() has it: the batch dimension of the
+            # dataset's elements is then unknown, and the step TensorFlow traces for that
+            # can need more than one for a known size (the README's CNN: 5 MiB more at 240).
+            # Always so: with no partial batch the remainder is empty and never reached.
+            out = tf.data.Dataset.from_tensor_slices(tf.reshape(indices[:full * b], [full, b]))
+            return out.concatenate(tf.data.Dataset.from_tensors(indices[full * b:]))
+
+        @plain
+        def grab(indices, data):
+            return tf.nest.map_structure(lambda t: tf.gather(t, indices, axis=0), data)
+
+        # As keras/src/trainers/data_adapters/array_data_adapter.py (Keras 3) builds it.
+        index = tf.data.Dataset.range(1).map(permutation).prefetch(1).flat_map(batches)
+        data = tf.data.Dataset.zip((index, tf.data.Dataset.from_tensors(self.tensors).repeat()))
+        options = tf.data.Options()
+        options.experimental_optimization.apply_default_optimizations = False
+        data = data.map(grab, num_parallel_calls=tf.data.AUTOTUNE).with_options(options)
+        return data.prefetch(tf.data.AUTOTUNE), min(steps, full)
+
+    def __call__(self, batch_size, hold=(), steps=None, rounds=1):
+        """A Point for `batch_size`, from `rounds` fresh pipelines of `steps` steps each
+        (default: the constructor's), with blocks of the sizes in `hold` kept in the pool
+        meanwhile. Its peak is the largest of the steps' windows, less the trials' copy;
+        fits=False when the pool refused a request (or a oneDNN kernel had to be granted
+        over the budget). The caller restores the model."""
+        oom_errors = _backend.oom_errors()
+        pool = self.pool
+        gc.collect()
+        before = pool.stats()
+        held, fits, peak = [], True, 0
+        try:
+            for size in hold:
+                if size > 0:
+                    held.append(pool.allocate(int(size)))
+        except MemoryError:
+            fits = False
+        for _ in range(rounds if fits else 0):
+            dataset, count = self._dataset(batch_size, steps or self.steps)
+            pool.reset_peak()
+            iterator = iter(dataset)
+            try:
+                for _ in range(count):
+                    self.train_function(iterator)
+                    peak = max(peak, pool.stats()["window_peak_bytes_in_use"])
+                    pool.reset_peak()
+            except oom_errors:
+                fits = False
+            finally:
+                peak = max(peak, pool.stats()["window_peak_bytes_in_use"])
+                del iterator, dataset
+            if not fits:
+                break
+        after = pool.stats()
+        for address in held:
+            pool.free(address)
+        if after["overshoots_by_kind"]["kernel"] > before["overshoots_by_kind"]["kernel"]:
+            fits = False
+        gc.collect()
+        return Point(batch_size=batch_size, peak_bytes=max(peak - self.copy_bytes, 0),
+                     base_bytes=before["bytes_in_use"] - self.copy_bytes, fits=fits)
+
+    def close(self):
+        self.tensors = self.train_function = None
+        gc.collect()
+
+
+def peak_spread(points, budget):
+    """The largest difference between peaks measured at one batch size; a size that
+    fitted once and was refused once counts its fitted peak's distance to the budget."""
+    spread = 0
+    sizes = {p.batch_size for p in points}
+    for size in sizes:
+        at = [p for p in points if p.batch_size == size]
+        fitted = [p.peak_bytes for p in at if p.fits]
+        if len(fitted) >= 2:
+            spread = max(spread, max(fitted) - min(fitted))
+        if fitted and len(fitted) < len(at):
+            spread = max(spread, budget - min(fitted))
+    return spread
+
+
 def _next_trial(points, budget, n, start, headroom):
     """The batch size to try next, or None when the answer is known closely enough."""
     fitted = sorted((p for p in points if p.fits), key=lambda p: p.batch_size)
@@ -224,7 +383,7 @@ def _next_trial(points, budget, n, start, headroom):
     if ceiling is None:
         if best.batch_size >= n:
             return None
-        if len(fitted) == 1:
+        if len({p.batch_size for p in fitted}) == 1:
             # Between a pessimistic estimate (everything the step added scales with the
             # batch) and an optimistic one (only batch-shaped tensors do): their geometric
             # mean. Without batch-shaped tensors tagged (PyTorch), the pessimistic one:
@@ -234,27 +393,25 @@ def _next_trial(points, budget, n, start, headroom):
             size = min(int((max(low, 1) * max(high, low, 1)) ** 0.5), 32 * best.batch_size)
         else:
             size = suggest(fitted, budget, headroom).batch_size
-        size = min(size, n)
+        size = min(size, n, int(1.5 * best.batch_size))  # a line through noisy peaks can run far
         return size if size > best.batch_size else min(n, best.batch_size + max(1, best.batch_size // 8))
     gap = ceiling.batch_size - best.batch_size
     if gap <= max(1, best.batch_size // 50):
         return None
-    # Where the line from the largest fitting step to the smallest failed one (whose
-    # need is at least the budget) crosses the target; kept inside the middle half of
-    # the bracket, since the curve is not smooth near the limit (fragmentation).
-    need = max(ceiling.peak_bytes, budget)
-    slope = (need - best.peak_bytes) / gap
-    guess = best.batch_size + ((target - best.peak_bytes) / slope if slope > 0 else gap / 2)
-    lo, hi = best.batch_size + gap / 4, best.batch_size + 3 * gap / 4
-    return int(min(max(guess, lo), hi))
+    # The middle of the bracket: a line from the largest fitting step to the smallest
+    # refused one (whose need is only known to be over the budget) is no guide where the
+    # curve bends (the test MLP's trial peaks barely grow from 2,048 to 2,500 samples,
+    # then steeply: such a line went to the top of the bracket three times).
+    return best.batch_size + gap // 2
 
 
-def search(model, x, y, budget, pool, points=(), trials=4, start=None, hold=None, headroom=0.03):
+def search(model, x, y, budget, pool, points=(), trials=4, start=None, hold=None, headroom=0.03, run=None):
     """Largest batch size whose trial step fits the budget, with at most `trials` steps.
 
     `hold(batch_size)` gives the blocks to keep allocated during a trial (see
-    trial_step). Returns (Suggestion, points); the Suggestion's batch size is the largest
-    that fitted in a trial (or the best estimate, measured=False, if none did).
+    trial_step). `run(batch_size, hold)` runs a trial instead of trial_step (FitTrials).
+    Returns (Suggestion, points); the Suggestion's batch size is the largest that fitted
+    in a trial (or the best estimate, measured=False, if none did).
     """
     n = _num_samples(x)
     points = list(points)
@@ -264,7 +421,8 @@ def search(model, x, y, budget, pool, points=(), trials=4, start=None, hold=None
             size = _next_trial(points, budget, n, start, headroom)
             if size is None or any(p.batch_size == size for p in points):
                 break
-            points.append(trial_step(model, x, y, size, pool, hold=hold(size) if hold else ()))
+            held = hold(size) if hold else ()
+            points.append(run(size, held) if run else trial_step(model, x, y, size, pool, hold=held))
             snapshot.restore()
     finally:
         snapshot.restore()
@@ -288,6 +446,19 @@ def _arrays(x, y=None):
 def input_bytes_per_sample(x, y=None):
     """Bytes of one sample of the arrays x and y (a batch's worth is b times this)."""
     return sum(int(a.nbytes) // max(int(a.shape[0]), 1) for a in _arrays(x, y))
+
+
+def state_bytes(model):
+    """Bytes of a model's variables and its optimizer's."""
+    import numpy as np
+    opt = getattr(model, "optimizer", None)
+    variables = list(model.weights) + (list(opt.variables) if opt is not None and getattr(opt, "built", False) else [])
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+
+
+def copy_bytes(x, y=None):
+    """Bytes of one copy of the arrays x and y as tensors (each rounded up to 4 KiB)."""
+    return sum(-(-int(a.nbytes) // 4096) * 4096 for a in _arrays(x, y))
 
 
 def fit_holds(x, y=None, prefetched=2, framework="tensorflow", copies=True):
