@@ -16,13 +16,32 @@ from tf_memguard._units import format_bytes
 # The share of the largest batch size that fitted a trial step (or of the estimate) that
 # is suggested after an out-of-memory error: the retry must fit, first time.
 OOM_SAFETY = 0.75
-# The share taken off a size measured by trial steps during a run: the trials aim at
-# MEASURED_HEADROOM below the budget already, but a run near the limit still differs
-# from its trials by a few percent (the README's example: 240 ran out where its trial
-# said 97%; run at 64, its trials put 95% at 237, and 3% off gave 229-232, at the edge).
+# The share taken off the size where the line through the trials' peaks reaches the
+# budget: the line is fitted to a few noisy points and extrapolated a little. With the
+# trials run as fit() runs its steps, the README's example gets 216-226 suggested (its
+# limit: 230 trains, 235 and 240 ran out in three runs of five).
 ADVICE_MARGIN = 0.05
-# Where measured advice aims its trial steps: 95% of the budget (then ADVICE_MARGIN off).
-MEASURED_HEADROOM = 0.05
+# The same where each trial kept the highest peak of NOISY_ROUNDS pipelines: its points
+# are the top of what a size needs, and the search ends within a few percent of where
+# they reach the budget (the test MLP: 2,780-2,890 suggested, where two-epoch runs train
+# at 2,950 and 3,000 ran out in three runs of five; with 5% off, 2,680-2,820).
+ADVICE_MARGIN_NOISY = 0.03
+# Where measured advice aims its trials: 99% of the budget (they measure, and fit).
+MEASURED_HEADROOM = 0.01
+# How far past the largest size whose trial fitted the measured line may be followed.
+MAX_EXTRAPOLATION = 0.10
+# How many times the spread of the peaks measured at one size the advice keeps below the
+# budget, besides ADVICE_MARGIN (the test MLP: 0.5-2 MiB between two trials at one size,
+# 1-5% of its budget; the CNNs and the LSTM: under 0.3 MiB).
+NOISE_SPREADS = 0.5
+# Two trials at the running size that differ by more than this share of the budget mark
+# a model whose peaks vary from pipeline to pipeline; its trials then take NOISY_ROUNDS
+# pipelines each and keep the highest peak.
+NOISY_SPREAD = 0.01
+NOISY_ROUNDS = 3
+# Steps of the trial that repeats the largest size that fitted (other trials run
+# FitTrials' default of 2: a pipeline's first steps peak highest).
+CONFIRM_STEPS = 4
 # A one-step estimate that grows the running batch size by less than this share is not
 # suggested (the running size, measured to fit, is): so close to the limit, where the
 # pool's layout decides, the estimate is not that precise (the CNN of test_advice at 80
@@ -145,15 +164,18 @@ class MemGuardCallback(keras.callbacks.Callback):
         profile_steps: steps profiled at the start of each epoch. Defaults to 2.
         oom_trials: trial steps that measure the advice after an out-of-memory error
             (0: estimate only). Defaults to 3.
-        advice_trials: trial steps run once, after the first epoch of a run whose peak
+        advice_trials: trials run once, after the first epoch of a run whose peak
             reached half of its budget, to measure the advice (array data only; weights
             and optimizer state restored; the pool's unused memory is released after
-            them). The first two repeat the running batch size, to learn what fit()
-            holds beside a lone step; the others hold that (at least one batch of
-            input) and head for 95% of the
-            budget; the advice is the largest size that fitted (or where the measured
-            peaks cross 95%), minus 5%, and at least the running size. 0: the one-step
-            estimate, which leaves ``headroom`` free. Defaults to 6 (a training step each).
+            them). On TensorFlow a trial is two training steps fed as fit() feeds them
+            (a tf.data pipeline over a copy of the arrays, for which the budget is
+            raised meanwhile; three such pipelines, keeping the highest peak, for a
+            model whose peaks vary); on PyTorch one step. Two at the running batch size,
+            up to ``advice_trials - 3`` heading for 99% of the budget, one more at the
+            largest size that fitted; the advice is where the least-squares line
+            through their peaks reaches the budget, minus 5% (3% for the varying kind).
+            If they cannot be run, a warning says why and the estimate stands. 0: the
+            one-step estimate, which leaves ``headroom`` free. Defaults to 8.
 
     Example:
         >>> tf_memguard.install(max_bytes="2GiB")
@@ -162,7 +184,7 @@ class MemGuardCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, device=None, warn_at=0.9, headroom=0.15, batch_size=None, verbose="auto",
-                 leak_epochs=3, profile_steps=2, oom_trials=3, advice_trials=6):
+                 leak_epochs=3, profile_steps=2, oom_trials=3, advice_trials=8):
         super().__init__()
         self.device = _install.normalize_device(device) if device is not None else None
         if not (isinstance(warn_at, (int, float)) and 0 < warn_at <= 1):
@@ -197,6 +219,7 @@ class MemGuardCallback(keras.callbacks.Callback):
         self._budget = self._start["bytes_limit"]
         fit_args = _fit_arguments()
         self._fit_x, self._fit_y = fit_args.get("x"), fit_args.get("y")
+        self._fit_validation = fit_args.get("validation_data")
         self._run_batch = self.batch_size or self._learn_batch_size(fit_args)
         self._points = []
         self._records = []
@@ -353,100 +376,142 @@ class MemGuardCallback(keras.callbacks.Callback):
             batch_size=max(1, size), fixed_bytes=line.fixed_bytes, per_sample_bytes=line.per_sample_bytes,
             target_bytes=int(target), method="the steps profiled in this run")
         if measure:
-            measured = self._measure_suggestion()
+            try:
+                measured = self._measure_suggestion()
+            except Exception as e:  # noqa: BLE001 - advice must never stop the training it advises
+                warnings.warn(f"tf_memguard: the batch-size advice could not be measured ({type(e).__name__}: {e}); "
+                              "the estimate from the profiled steps stands.", stacklevel=2)
+                measured = None
             if measured is not None:
                 self._suggestion = self._measured = measured
         return self._suggestion
 
     def _measure_suggestion(self):
-        """Trial steps beside the running fit() (its data and iterator in the pool, as
-        for its own steps), from the running batch size towards where peak memory reaches
-        (1 - MEASURED_HEADROOM) of the budget; the model's weights and optimizer state
-        are restored. The largest size whose trial fitted, minus ADVICE_MARGIN (the
-        running size when no larger one fitted). None without array data or trials, or
-        when a trial at the running size is refused.
+        """Trials beside the running fit(), from the running batch size b0 towards where
+        peak memory reaches the budget; the model's weights and optimizer state are
+        restored. The answer is where the least-squares line through the measured peaks,
+        less half the largest spread seen at one size (NOISE_SPREADS), reaches the budget
+        (not past a size that was refused, nor more than MAX_EXTRAPOLATION past the
+        largest that fitted), minus ADVICE_MARGIN (ADVICE_MARGIN_NOISY); the running size
+        when that grows it by less than MIN_GROWTH. None without array data or trials,
+        or when a trial at b0 is refused.
 
-        A lone step needs less than a step inside fit(), which holds batches prepared
-        ahead and more beside it. The first two trials repeat the running size b0; what
-        the epoch's peak exceeded the smaller of them by is that extra, and every trial
-        holds it as a block in the pool. It is not scaled with the batch: measured on the
-        test models, it grew more slowly than the batch for an MLP (tf.data's prefetch is
-        autotuned) and faster for a CNN; scaled, the MLP's advice fell to 0.7 of what fits
-        (benchmarks/NOTES.md, "Batch-size advice"). The 95% target and ADVICE_MARGIN
-        cover the CNN's growth.
+        On TensorFlow a trial runs a train function of its own on a tf.data pipeline
+        built as fit() builds it (FitTrials): a lone train_on_batch step misses the
+        batches fit() prepares beside its steps, and runs the step TensorFlow traced for a
+        known batch size, where fit()'s batches have none (the README's CNN needs 5 MiB
+        more for that one). What a process that copied every array would hold beyond
+        this one is held in the pool during the trials. Two trials at b0, then up to
+        ``advice_trials - 3`` heading for (1 - MEASURED_HEADROOM) of the budget, then the
+        largest size that fitted once more, for CONFIRM_STEPS steps; where the two at b0
+        differ by more than NOISY_SPREAD, every later trial keeps the highest of
+        NOISY_ROUNDS pipelines (benchmarks/NOTES.md, "Batch-size advice"). If the epoch's
+        own peak exceeded the smaller trial at b0 (on PyTorch, fit() holds the batch it
+        moves to the device beside the step), the difference is held during every trial.
         """
         if not self.advice_trials or not _is_arrays(self._fit_x):
             return None
         b0 = self._run_batch
         fit_peak = max(r.peak_bytes for r in self._records)
+        model, x, y = self.model, self._fit_x, self._fit_y
+        pool, budget = self._pool, self._budget
         self._in_trials = True
-        snapshot = _advisor._Snapshot(self.model)
+        snapshot = _advisor._Snapshot(model)
+        fit_trials = None
+        raised = False
+        missing = 0
         try:
-            # Twice: what fit() leaves live at an epoch's end varies, and a trial
-            # inflated by it would hide the extra.
-            first = None
-            for _ in range(2):
-                p = _advisor.trial_step(self.model, self._fit_x, self._fit_y, b0, self._pool)
-                snapshot.restore()
-                if not p.fits:
-                    return None
-                first = p if first is None or p.peak_bytes < first.peak_bytes else first
-            extra = max(0, fit_peak - first.peak_bytes)
-            # The first point as fit() meets it: with the extra held.
-            known = [_advisor.Point(**{**first.__dict__, "peak_bytes": first.peak_bytes + extra})]
+            if _backend.framework() == "tensorflow":
+                # fit() holds the model's state and a copy of the arrays (training and
+                # validation parts) as tensors. Whether TensorFlow copied an array into the
+                # pool or aliased it differs from process to process (the README's example:
+                # its validation part was in the pool in two runs of three), so what a
+                # process without the copies lacks is held during the trials: the advice
+                # must hold in the next process too.
+                gc.collect()
+                expected = (_advisor.state_bytes(model) + _advisor.copy_bytes(x, y)
+                            + _advisor.copy_bytes(self._fit_validation))
+                missing = max(0, expected - pool.stats()["bytes_in_use"])
+                # The trials' copy of the arrays comes on top of fit()'s own: the budget is
+                # raised for it first, then to what of it is in the pool (TensorFlow
+                # aliases some arrays instead of copying them).
+                pool.set_limit(budget + _advisor.copy_bytes(x, y))
+                raised = True
+                fit_trials = _advisor.FitTrials(model, x, y, pool)
+                pool.set_limit(budget + fit_trials.copy_bytes, drain=True)
 
-            # At least one batch of input: fit() may have the next batch prepared
-            # beside its step, and whether it was live at the running size's peak is
-            # timing.
-            per_sample = _advisor.input_bytes_per_sample(self._fit_x, self._fit_y)
+            def trial(size, hold=(), steps=None, rounds=1):
+                if fit_trials is not None:
+                    p = fit_trials(size, hold, steps=steps, rounds=rounds)
+                else:
+                    p = _advisor.trial_step(model, x, y, size, pool, hold=hold)
+                snapshot.restore()
+                return p
+
+            at_b0 = [trial(b0, [missing]), trial(b0, [missing])]
+            if not all(p.fits for p in at_b0):
+                return None
+            # What the epoch's own peak at b0 showed beyond the trials (with what a
+            # process with every copy would hold).
+            over = max(0, fit_peak + missing - min(p.peak_bytes for p in at_b0))
+            per_sample = _advisor.input_bytes_per_sample(x, y)
 
             def hold(size):
-                return [int(max(extra, per_sample * size))]
+                if fit_trials is not None:
+                    return [int(missing + over)]
+                # A lone step: at least one batch of input, which fit() may have prepared
+                # beside its step (whether it was live at b0's peak is timing).
+                return [int(max(over, per_sample * size))]
 
-            _, points = _advisor.search(self.model, self._fit_x, self._fit_y, self._budget, self._pool,
-                                        points=known, trials=self.advice_trials - 2, start=b0,
-                                        headroom=MEASURED_HEADROOM, hold=hold)
+            known = [_advisor.Point(**{**p.__dict__, "peak_bytes": p.peak_bytes + over}) for p in at_b0]
+            # Where the two trials at b0 differ by more than NOISY_SPREAD of the budget,
+            # which of fit()'s prepared batches meet a step's peak is timing: every trial
+            # then takes NOISY_ROUNDS fresh pipelines and keeps the highest peak (the test
+            # MLP at 3,000 samples read 38.0 or 38.9 MiB, the higher in 8 of 12), and b0's
+            # point is the higher of its two.
+            rounds = 1
+            if fit_trials is not None and abs(at_b0[0].peak_bytes - at_b0[1].peak_bytes) > NOISY_SPREAD * budget:
+                rounds = NOISY_ROUNDS
+                known = [max(known, key=lambda p: p.peak_bytes)]
+            _, points = _advisor.search(model, x, y, budget, pool, points=known,
+                                        trials=max(self.advice_trials - 3, 1), start=b0,
+                                        headroom=MEASURED_HEADROOM, hold=hold,
+                                        run=fit_trials and (lambda size, held: fit_trials(size, held, rounds=rounds)))
+            grown = [p for p in points if p.fits and p.batch_size > b0]
+            if grown and self.advice_trials > 3:
+                top = max(p.batch_size for p in grown)
+                points.append(trial(top, hold(top), steps=CONFIRM_STEPS, rounds=rounds))
         except self._oom_types:
             return None
         finally:
             snapshot.restore()
             self._in_trials = False
-        line = _advisor.suggest(points, self._budget, headroom=MEASURED_HEADROOM, max_batch=self._num_samples())
-        fitted = [p.batch_size for p in points if p.fits]
+            if fit_trials is not None:
+                fit_trials.close()
+            if raised:
+                pool.release_unused()
+                pool.set_limit(budget, drain=True)
+        self._trial_points = points
+        line = _advisor.fit_line(points)
+        biggest = max(p.batch_size for p in points if p.fits)
         if line is None:
-            return None
-        if max(fitted) <= b0:
-            # Every larger trial was refused: no room measured to grow, and the running
-            # size trained.
-            return _advisor.Suggestion(batch_size=b0, fixed_bytes=line.fixed_bytes,
-                                       per_sample_bytes=line.per_sample_bytes, target_bytes=line.target_bytes,
-                                       method=f"{len(points) + 1} trial steps", measured=True)
-        # The largest size whose trial step fitted (the trials head for where the line
-        # reaches (1 - MEASURED_HEADROOM) of the budget; the line itself is not trusted
-        # beyond them: two close, noisy points once gave a slope that put 152 within a
-        # budget where 99 does not fit); then ADVICE_MARGIN off: a lone step that fits
-        # can be lucky in the pool's layout.
-        size = max(fitted)
-        # A trial that fitted above the target was close to the limit, where fitting is
-        # luck of the layout: the size is taken where the measured peaks cross the target.
-        target = self._budget * (1.0 - MEASURED_HEADROOM)
-        ok = sorted((p for p in points if p.fits), key=lambda p: p.batch_size)
-        above = [p for p in ok if p.peak_bytes > target]
-        if above:
-            hi = above[0]
-            below = [p for p in ok if p.peak_bytes <= target and p.batch_size < hi.batch_size]
-            if not below:
-                return None
-            lo = below[-1]
-            size = min(size, int(lo.batch_size + (target - lo.peak_bytes) * (hi.batch_size - lo.batch_size)
-                                 / (hi.peak_bytes - lo.peak_bytes)))
-        size = int(size * (1 - ADVICE_MARGIN))
-        if size < b0 * (1 + MIN_GROWTH):
+            size = biggest  # no growth of the peak measured
+        else:
+            fixed, slope = line
+            size = (budget - fixed) / slope
+        size = min(size, biggest * (1 + MAX_EXTRAPOLATION), *[p.batch_size - 1 for p in points if not p.fits])
+        if line is not None:
+            # The line goes through the middle of peaks that vary; every epoch of a run
+            # draws again, so the advice keeps NOISE_SPREADS times the spread measured
+            # between trials of one size below the budget.
+            size -= NOISE_SPREADS * _advisor.peak_spread(points, budget) / line[1]
+        size = int(size * (1 - (ADVICE_MARGIN_NOISY if rounds > 1 else ADVICE_MARGIN)))
+        if b0 <= size < b0 * (1 + MIN_GROWTH):
             size = b0  # not much room measured: the running size, which trained, stands
+        fixed, slope = line or (0, 0.0)
         return _advisor.Suggestion(
-            batch_size=size, fixed_bytes=line.fixed_bytes,
-            per_sample_bytes=line.per_sample_bytes, target_bytes=line.target_bytes,
-            method=f"{len(points) + 1} trial steps", measured=True)
+            batch_size=max(1, min(size, self._num_samples())), fixed_bytes=int(fixed), per_sample_bytes=float(slope),
+            target_bytes=budget, method=f"{len(points)} trials", measured=True)
 
     def _num_samples(self):
         if _is_arrays(self._fit_x):

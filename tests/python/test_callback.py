@@ -162,9 +162,35 @@ def test_measured_advice_runs_trial_steps_and_leaves_the_run_as_it_was():
     """, env=HARD)
     assert r.returncode == 0, r
     d = r.data
-    assert d["method"] == "3 trial steps" and d["size"] >= 64, d
+    assert d["method"] == "3 trials" and d["size"] >= 64, d
     assert d["iterations"] == 2 * 1024 // 64  # the trials' steps were taken back
     assert d["limit"] == 96 << 20 and d["epochs"] == 2
+
+
+def test_advice_that_cannot_be_measured_warns_and_training_goes_on():
+    r = run(SETUP, """
+        import warnings
+        from tf_memguard import _advisor
+        class Broken(_advisor.FitTrials):
+            def __call__(self, *args, **kwargs):
+                raise TypeError("a trial that breaks")
+        _advisor.FitTrials = Broken
+        tf_memguard.install(max_bytes="96MiB")
+        m = make()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            h = m.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        rep = tf_memguard.report()
+        emit(epochs=len(h.history["loss"]), warned=[str(w.message) for w in caught if "advice" in str(w.message)],
+             method=rep.suggestion_method, size=rep.suggested_batch_size,
+             iterations=int(m.optimizer.iterations.numpy()), limit=tf_memguard.stats()["bytes_limit"])
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["epochs"] == 2 and d["iterations"] == 2 * 1024 // 64, d
+    assert len(d["warned"]) == 1 and "TypeError: a trial that breaks" in d["warned"][0], d
+    assert d["method"] == "the steps profiled in this run" and d["size"], d
+    assert d["limit"] == 96 << 20, d   # the budget raised for the trials' copy went back
 
 
 def test_find_batch_size_restores_the_model_exactly_and_its_answer_fits():
