@@ -30,6 +30,12 @@ call of this script:
              so that a matmul's output (4 MiB) fits but cuBLAS's workspace does not; then
              the filler is freed and the same matmul runs again, checked against the CPU.
 
+  advice     (--advice-only) the batch-size advice on PyTorch: under the oom budget, a
+             fit at batch 128 with MemGuardCallback's defaults measures its suggestion
+             after epoch 1 (trial steps); the suggestion must train two epochs, and is
+             compared with the largest size that trains two epochs, by bisection (each
+             fit its own process). Writes gpu_keras_torch_advice.json.
+
 Usage (from the repository root, after `python3 setup.py build_ext --inplace` with
 PyTorch present): python3 benchmarks/gpu/keras_torch.py --out DIR
 Writes DIR/gpu_keras_torch.json (then benchmarks/results/gpu_keras_torch.json).
@@ -172,6 +178,55 @@ def _dump_trace(path):
     return len(ev)
 
 
+def _advice_fit(out, budget):
+    """fit() at ADVICE_BATCH for ADVICE_EPOCHS epochs under the budget, with
+    MemGuardCallback's defaults: whether it trained, and the advice it measured."""
+    import tf_memguard
+    tf_memguard.install(max_bytes=budget, device="cuda:0")
+    import torch
+    x, y = _data()
+    model = _model()
+    batch, epochs = int(os.environ["ADVICE_BATCH"]), int(os.environ.get("ADVICE_EPOCHS", "1"))
+    guard = tf_memguard.MemGuardCallback(verbose=0)
+    out.update(batch_size=batch, epochs=epochs, budget_bytes=budget)
+    try:
+        hist = model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, callbacks=[guard])
+        out["fits"] = True
+        out["epoch_peaks"] = hist.history["memguard_peak_bytes"]
+    except torch.OutOfMemoryError as e:
+        out["fits"] = False
+        out["error"] = str(e)[:600]
+    rep = tf_memguard.report()
+    out["suggested"] = rep.suggested_batch_size if rep else None
+    out["method"] = rep.suggestion_method if rep else None
+    out["trial_points"] = [{"batch_size": p.batch_size, "peak_bytes": p.peak_bytes, "fits": p.fits}
+                           for p in getattr(guard, "_trial_points", [])]
+    return out
+
+
+def _advice(budget):
+    """The advice after one epoch at 128 under `budget`, checked against fit() itself."""
+    first = run_child("advice", budget, ADVICE_BATCH="128", ADVICE_EPOCHS="1")
+    size = first.get("suggested")
+    result = {"budget_bytes": budget, "advised_run": first, "suggested": size}
+    if not size:
+        return result
+
+    def trains(b):
+        r = run_child("advice", budget, ADVICE_BATCH=str(b), ADVICE_EPOCHS="2")
+        result.setdefault("fits_by_size", []).append([b, r.get("fits")])
+        return bool(r.get("fits"))
+
+    result["suggested_trains"] = trains(size)
+    lo, hi = (size, 4 * size) if result["suggested_trains"] else (1, size)
+    while hi - lo > max(1, lo // 33):
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if trains(mid) else (lo, mid)
+    result["largest_that_trains"] = lo
+    result["ratio"] = size / lo if lo else None
+    return result
+
+
 def child(mode, budget):
     import gc
     out = {"mode": mode}
@@ -180,6 +235,8 @@ def child(mode, budget):
     if mode == "memguard_trim":  # memguard, with TF_MEMGUARD_TRIM_ABOVE_PEAK set by the parent
         mode = "memguard"
         out["trim_above_peak"] = float(os.environ.get("TF_MEMGUARD_TRIM_ABOVE_PEAK", "0"))
+    if mode == "advice":
+        return _advice_fit(out, budget)
     if mode in ("memguard", "oom", "torch_only", "cublas_memguard"):
         import tf_memguard
         b = {"memguard": 0.5, "oom": budget, "torch_only": 1 << 30, "cublas_memguard": budget}[mode]
@@ -335,6 +392,9 @@ def main():
     ap.add_argument("--timing-only", action="store_true",
                     help="only the timed rounds (caching, memguard, memguard_trim): no traced, oom, naive, "
                          "torch_only or cublas runs; writes gpu_keras_torch_timing.json")
+    ap.add_argument("--advice-only", action="store_true",
+                    help="only the advice check (one memguard run for the budget, then fits at batch sizes "
+                         "around the suggestion); writes gpu_keras_torch_advice.json")
     ap.add_argument("--trim", default="0",
                     help="TF_MEMGUARD_TRIM_ABOVE_PEAK of the third allocator of each round (default 0: tf_memguard "
                          "with no trim line; 'none': no such runs)")
@@ -342,6 +402,17 @@ def main():
     args.trim = None if args.trim == "none" else float(args.trim)
     if args.child:
         print(json.dumps(child(args.child, args.budget)), flush=True)
+        return
+
+    if args.advice_only:
+        live = run_child("memguard").get("peak_live", 0)
+        result = _advice(int(0.8 * live)) if live else {"skipped": "no memguard peak"}
+        result["command"] = "bash benchmarks/gpu/run_keras_torch.sh --advice-only"
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_keras_torch_advice.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        print(json.dumps({k: result.get(k) for k in ("budget_bytes", "suggested", "suggested_trains",
+                                                     "largest_that_trains", "ratio", "fits_by_size")}))
         return
 
     runs = {"caching": [], "memguard": [], "memguard_trim": []}
