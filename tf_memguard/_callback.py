@@ -234,6 +234,7 @@ class MemGuardCallback(keras.callbacks.Callback):
         self._oom = None
         self._suggestion = None
         self._measured = None  # the suggestion measured by trial steps (False: tried, none)
+        self._trial_counts = (0, 0)  # allocations and refusals of the advice's trials
         self._report = None
         self._in_trials = False
         self._kernel_overshoots = self._start["overshoots_by_kind"]["kernel"]
@@ -416,6 +417,7 @@ class MemGuardCallback(keras.callbacks.Callback):
         model, x, y = self.model, self._fit_x, self._fit_y
         pool, budget = self._pool, self._budget
         self._in_trials = True
+        start = pool.stats()
         snapshot = _advisor._Snapshot(model)
         fit_trials = None
         raised = False
@@ -491,6 +493,11 @@ class MemGuardCallback(keras.callbacks.Callback):
             if raised:
                 pool.release_unused()
                 pool.set_limit(budget, drain=True)
+            # The trials are not the run's: their allocations, refusals and peak stay
+            # out of its report.
+            end = pool.stats()
+            self._trial_counts = (end["num_allocs"] - start["num_allocs"], end["num_refusals"] - start["num_refusals"])
+            pool.reset_peak()
         self._trial_points = points
         line = _advisor.fit_line(points)
         biggest = max(p.batch_size for p in points if p.fits)
@@ -511,7 +518,8 @@ class MemGuardCallback(keras.callbacks.Callback):
         fixed, slope = line or (0, 0.0)
         return _advisor.Suggestion(
             batch_size=max(1, min(size, self._num_samples())), fixed_bytes=int(fixed), per_sample_bytes=float(slope),
-            target_bytes=budget, method=f"{len(points)} trials", measured=True)
+            target_bytes=budget, measured=True,
+            method=f"{len(points)} trials ({sum(not p.fits for p in points)} of them refused)")
 
     def _num_samples(self):
         if _is_arrays(self._fit_x):
@@ -696,8 +704,8 @@ class MemGuardCallback(keras.callbacks.Callback):
             device=self._device, budget_bytes=self._budget,
             predating_bytes=cfg.predating_bytes if cfg else 0,
             epochs=list(self._records), steps=list(self._steps), peak_bytes=peak,
-            allocs=s["num_allocs"] - self._start["num_allocs"],
-            refusals=s["num_refusals"] - self._start["num_refusals"],
+            allocs=s["num_allocs"] - self._start["num_allocs"] - self._trial_counts[0],
+            refusals=s["num_refusals"] - self._start["num_refusals"] - self._trial_counts[1],
             overshoot_bytes_by_kind=over, batch_size=self._run_batch,
             suggested_batch_size=self._suggestion.batch_size if self._suggestion else None,
             suggestion_method=self._suggestion.method if self._suggestion else "",

@@ -1,5 +1,6 @@
 """MemGuardCallback, the report, the OOM explanation and find_batch_size, as a user runs them."""
 import os
+import re
 
 import pytest
 
@@ -153,16 +154,21 @@ def test_measured_advice_runs_trial_steps_and_leaves_the_run_as_it_was():
     r = run(SETUP, """
         tf_memguard.install(max_bytes="96MiB")   # the run's peak: about 53 MiB, over half
         m = make()
-        cb = tf_memguard.MemGuardCallback(verbose=0, advice_trials=3)
+        cb = tf_memguard.MemGuardCallback(verbose=0)
         h = m.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[cb])
         rep = tf_memguard.report()
         emit(iterations=int(m.optimizer.iterations.numpy()), method=rep.suggestion_method,
              size=rep.suggested_batch_size, limit=tf_memguard.stats()["bytes_limit"],
-             epochs=len(h.history["loss"]))
+             epochs=len(h.history["loss"]), refused=rep.refusals, peak=rep.peak_bytes,
+             epoch_peaks=h.history["memguard_peak_bytes"], pool_refusals=tf_memguard.stats()["num_refusals"])
     """, env=HARD)
     assert r.returncode == 0, r
     d = r.data
-    assert d["method"] == "3 trials" and d["size"] >= 64, d
+    assert re.fullmatch(r"[3-8] trials \(\d of them refused\)", d["method"]) and d["size"] >= 64, d
+    # The trials headed for the budget and some were refused; the run's own steps were
+    # not, and the report counts the run's.
+    assert d["pool_refusals"] > 0 and d["refused"] == 0, d
+    assert d["peak"] == max(d["epoch_peaks"]), d
     assert d["iterations"] == 2 * 1024 // 64  # the trials' steps were taken back
     assert d["limit"] == 96 << 20 and d["epochs"] == 2
 
