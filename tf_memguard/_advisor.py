@@ -13,6 +13,7 @@ and last partial batches, earlier fit() calls, trial steps); otherwise one measu
 whose peak the pool splits into bytes of tensors with the batch as first dimension and
 the rest (the plugin tags them while profiling).
 """
+import contextlib
 import dataclasses
 import gc
 
@@ -178,6 +179,24 @@ class _Snapshot:
                 v.assign(v.numpy() * 0)
 
 
+@contextlib.contextmanager
+def _holding(pool, sizes):
+    """Blocks of `sizes` kept allocated in the pool meanwhile; yields False when one was
+    refused (the trial cannot fit then). Freed on the way out."""
+    held, ok = [], True
+    try:
+        for size in sizes:
+            if size > 0:
+                held.append(pool.allocate(int(size)))
+    except MemoryError:
+        ok = False
+    try:
+        yield ok
+    finally:
+        for address in held:
+            pool.free(address)
+
+
 def trial_step(model, x, y, batch_size, pool, hold=()):
     """Runs one training step on the first `batch_size` samples and measures its peak.
 
@@ -190,26 +209,17 @@ def trial_step(model, x, y, batch_size, pool, hold=()):
     oom_errors = _backend.oom_errors()
     gc.collect()
     before = pool.stats()
-    held = []
-    fits = True
-    try:
-        for size in hold:
-            if size > 0:
-                held.append(pool.allocate(int(size)))
-    except MemoryError:
-        fits = False
-    pool.reset_peak()
-    if fits:
-        _core.set_profile_batch(batch_size)
-        try:
-            model.train_on_batch(_slice(x, batch_size), _slice(y, batch_size))
-        except oom_errors:
-            fits = False
-        finally:
-            _core.set_profile_batch(0)
-    after = pool.stats()
-    for address in held:
-        pool.free(address)
+    with _holding(pool, hold) as fits:
+        pool.reset_peak()
+        if fits:
+            _core.set_profile_batch(batch_size)
+            try:
+                model.train_on_batch(_slice(x, batch_size), _slice(y, batch_size))
+            except oom_errors:
+                fits = False
+            finally:
+                _core.set_profile_batch(0)
+        after = pool.stats()
     if after["overshoots_by_kind"]["kernel"] > before["overshoots_by_kind"]["kernel"]:
         fits = False
     point = Point(batch_size=batch_size, peak_bytes=after["window_peak_bytes_in_use"],
@@ -319,32 +329,25 @@ class FitTrials:
         pool = self.pool
         gc.collect()
         before = pool.stats()
-        held, fits, peak = [], True, 0
-        try:
-            for size in hold:
-                if size > 0:
-                    held.append(pool.allocate(int(size)))
-        except MemoryError:
-            fits = False
-        for _ in range(rounds if fits else 0):
-            dataset, count = self._dataset(batch_size, steps or self.steps)
-            pool.reset_peak()
-            iterator = iter(dataset)
-            try:
-                for _ in range(count):
-                    self.train_function(iterator)
+        peak = 0
+        with _holding(pool, hold) as fits:
+            for _ in range(rounds if fits else 0):
+                dataset, count = self._dataset(batch_size, steps or self.steps)
+                pool.reset_peak()
+                iterator = iter(dataset)
+                try:
+                    for _ in range(count):
+                        self.train_function(iterator)
+                        peak = max(peak, pool.stats()["window_peak_bytes_in_use"])
+                        pool.reset_peak()
+                except oom_errors:
+                    fits = False
+                finally:
                     peak = max(peak, pool.stats()["window_peak_bytes_in_use"])
-                    pool.reset_peak()
-            except oom_errors:
-                fits = False
-            finally:
-                peak = max(peak, pool.stats()["window_peak_bytes_in_use"])
-                del iterator, dataset
-            if not fits:
-                break
-        after = pool.stats()
-        for address in held:
-            pool.free(address)
+                    del iterator, dataset
+                if not fits:
+                    break
+            after = pool.stats()
         if after["overshoots_by_kind"]["kernel"] > before["overshoots_by_kind"]["kernel"]:
             fits = False
         gc.collect()
