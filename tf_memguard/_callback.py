@@ -513,8 +513,10 @@ class MemGuardCallback(keras.callbacks.Callback):
             # between trials of one size below the budget.
             size -= NOISE_SPREADS * _advisor.peak_spread(points, budget) / line[1]
         size = int(size * (1 - (ADVICE_MARGIN_NOISY if rounds > 1 else ADVICE_MARGIN)))
-        if b0 <= size < b0 * (1 + MIN_GROWTH):
-            size = b0  # not much room measured: the running size, which trained, stands
+        if biggest <= b0 or b0 <= size < b0 * (1 + MIN_GROWTH):
+            # No larger size fitted, or not much room measured: the running size, which
+            # trained, stands.
+            size = b0
         fixed, slope = line or (0, 0.0)
         return _advisor.Suggestion(
             batch_size=max(1, min(size, self._num_samples())), fixed_bytes=int(fixed), per_sample_bytes=float(slope),
