@@ -444,7 +444,10 @@ class MemGuardCallback(keras.callbacks.Callback):
                 fit_trials = _advisor.FitTrials(model, x, y, pool)
                 pool.set_limit(budget + fit_trials.copy_bytes, drain=True)
 
-            def trial(size, hold=(), steps=None, rounds=1):
+            rounds = 1  # pipelines per trial (see NOISY_SPREAD below)
+
+            def trial(size, hold=(), steps=None):
+                # One way to run a trial, for the three at b0, the search and the last.
                 if fit_trials is not None:
                     p = fit_trials(size, hold, steps=steps, rounds=rounds)
                 else:
@@ -477,19 +480,17 @@ class MemGuardCallback(keras.callbacks.Callback):
             # then takes NOISY_ROUNDS fresh pipelines and keeps the highest peak (the test
             # MLP at 3,000 samples read 38.0 or 38.9 MiB, the higher in 8 of 12), and b0's
             # point is the highest of its three.
-            rounds = 1
             b0_peaks = [p.peak_bytes for p in at_b0]
             if fit_trials is not None and max(b0_peaks) - min(b0_peaks) > NOISY_SPREAD * budget:
                 rounds = NOISY_ROUNDS
                 known = [max(known, key=lambda p: p.peak_bytes)]
             _, points = _advisor.search(model, x, y, budget, pool, points=known,
                                         trials=max(self.advice_trials - B0_TRIALS - 1, 1), start=b0,
-                                        headroom=MEASURED_HEADROOM, hold=hold,
-                                        run=fit_trials and (lambda size, held: fit_trials(size, held, rounds=rounds)))
+                                        headroom=MEASURED_HEADROOM, hold=hold, run=trial)
             grown = [p for p in points if p.fits and p.batch_size > b0]
             if grown and self.advice_trials > B0_TRIALS + 1:
                 top = max(p.batch_size for p in grown)
-                points.append(trial(top, hold(top), steps=CONFIRM_STEPS, rounds=rounds))
+                points.append(trial(top, hold(top), steps=CONFIRM_STEPS))
         except self._oom_types:
             return None
         finally:
