@@ -1,6 +1,6 @@
 """Advice that is right: the batch size MemGuardCallback suggests after one epoch fits the
 budget, and is at least 85% of the largest that fits, found by bisection over real
-fit() runs (each in a fresh process).
+fit() runs (each in a fresh process; a size fits when it trains in REPEATS of them).
 
 "Fits" means trains for EPOCHS epochs. Every epoch starts a new tf.data iterator, and the
 first steps of each peak differently from run to run (the test MLP at 3,000 samples:
@@ -18,6 +18,12 @@ pytestmark = pytest.mark.tf
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 EPOCHS = 2
+# Runs (fresh processes) a size must train in to count as fitting, in the bisection. Near
+# its limit the MLP trains in some runs and not others (under 40 MiB: 2,900 in four of
+# four, 3,000 in two of four, 3,100 in one of four), so a bisection over single runs
+# finds the luckiest draw: a CI run found 3,244 and failed the 85% test on it. The
+# largest size that fits is the largest a user can count on.
+REPEATS = 2
 # (model, budget MiB, batch size of the advised run: its peak near the budget)
 CASES = [("mlp", 40, 2048), ("cnn", 80, 76), ("lstm", 48, 128)]
 
@@ -26,8 +32,8 @@ import sys; sys.path.insert(0, {here!r})
 import tensorflow as tf, tf_memguard
 from advice_models import build
 x, y, make_model = build({kind!r})
+tf_memguard.install(max_bytes={budget} << 20)  # before the model is built, as the README has it
 m = make_model()
-tf_memguard.install(max_bytes={budget} << 20)
 cb = tf_memguard.MemGuardCallback(verbose=0)
 try:
     m.fit(x, y, batch_size={batch}, epochs={epochs}, verbose=0, callbacks=[cb])
@@ -44,11 +50,15 @@ def fits(kind, budget, batch):
     return r.data
 
 
+def fits_every_time(kind, budget, batch):
+    return all(fits(kind, budget, batch)["fits"] for _ in range(REPEATS))
+
+
 def bisect_max(kind, budget, lo, hi):
-    """Largest batch size in [lo, hi) that fits, to within 3%."""
+    """Largest batch size in [lo, hi) that fits REPEATS times, to within 3%."""
     while hi - lo > max(1, lo // 33):
         mid = (lo + hi) // 2
-        if fits(kind, budget, mid)["fits"]:
+        if fits_every_time(kind, budget, mid):
             lo = mid
         else:
             hi = mid
