@@ -374,8 +374,9 @@ def peak_spread(points, budget):
     return spread
 
 
-def _next_trial(points, budget, n, start, headroom):
-    """The batch size to try next, or None when the answer is known closely enough."""
+def _next_trial(points, budget, n, start, headroom, max_growth=None):
+    """The batch size to try next, or None when the answer is known closely enough;
+    with `max_growth`, at most that many times the largest size that fitted."""
     fitted = sorted((p for p in points if p.fits), key=lambda p: p.batch_size)
     failed = sorted((p for p in points if not p.fits), key=lambda p: p.batch_size)
     best = fitted[-1] if fitted else None
@@ -396,7 +397,9 @@ def _next_trial(points, budget, n, start, headroom):
             size = min(int((max(low, 1) * max(high, low, 1)) ** 0.5), 32 * best.batch_size)
         else:
             size = suggest(fitted, budget, headroom).batch_size
-        size = min(size, n, int(1.5 * best.batch_size))  # a line through noisy peaks can run far
+        if max_growth:
+            size = min(size, int(max_growth * best.batch_size))  # a line through noisy peaks can run far
+        size = min(size, n)
         return size if size > best.batch_size else min(n, best.batch_size + max(1, best.batch_size // 8))
     gap = ceiling.batch_size - best.batch_size
     if gap <= max(1, best.batch_size // 50):
@@ -408,11 +411,15 @@ def _next_trial(points, budget, n, start, headroom):
     return best.batch_size + gap // 2
 
 
-def search(model, x, y, budget, pool, points=(), trials=4, start=None, hold=None, headroom=0.03, run=None):
+def search(model, x, y, budget, pool, points=(), trials=4, start=None, hold=None, headroom=0.03, run=None,
+           max_growth=None):
     """Largest batch size whose trial step fits the budget, with at most `trials` steps.
 
     `hold(batch_size)` gives the blocks to keep allocated during a trial (see
     trial_step). `run(batch_size, hold)` runs a trial instead of trial_step (FitTrials).
+    `max_growth`: no trial above that many times the largest size that fitted (for a
+    search that starts near the limit, where a line through noisy peaks can run far;
+    not for one that starts small and must get there in a few steps).
     Returns (Suggestion, points); the Suggestion's batch size is the largest that fitted
     in a trial (or the best estimate, measured=False, if none did).
     """
@@ -421,7 +428,7 @@ def search(model, x, y, budget, pool, points=(), trials=4, start=None, hold=None
     snapshot = _Snapshot(model)
     try:
         for _ in range(trials):
-            size = _next_trial(points, budget, n, start, headroom)
+            size = _next_trial(points, budget, n, start, headroom, max_growth)
             if size is None or any(p.batch_size == size for p in points):
                 break
             held = hold(size) if hold else ()

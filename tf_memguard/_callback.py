@@ -28,6 +28,10 @@ ADVICE_MARGIN = 0.05
 ADVICE_MARGIN_NOISY = 0.03
 # Where measured advice aims its trials: 99% of the budget (they measure, and fit).
 MEASURED_HEADROOM = 0.01
+# The most a trial of the measured advice grows the largest size that fitted (the test
+# MLP's peaks barely grow from 2,048 to 2,500 samples, then steeply: a line through the
+# first ones runs far past the limit).
+MAX_TRIAL_GROWTH = 1.5
 # How far past the largest size whose trial fitted the measured line may be followed.
 MAX_EXTRAPOLATION = 0.10
 # How many times the spread of the peaks measured at one size the advice keeps below the
@@ -486,7 +490,8 @@ class MemGuardCallback(keras.callbacks.Callback):
                 known = [max(known, key=lambda p: p.peak_bytes)]
             _, points = _advisor.search(model, x, y, budget, pool, points=known,
                                         trials=max(self.advice_trials - B0_TRIALS - 1, 1), start=b0,
-                                        headroom=MEASURED_HEADROOM, hold=hold, run=trial)
+                                        headroom=MEASURED_HEADROOM, hold=hold, run=trial,
+                                        max_growth=MAX_TRIAL_GROWTH)
             grown = [p for p in points if p.fits and p.batch_size > b0]
             if grown and self.advice_trials > B0_TRIALS + 1:
                 top = max(p.batch_size for p in grown)
