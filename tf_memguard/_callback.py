@@ -112,6 +112,17 @@ def _is_arrays(data):
                                 and len(a.shape) > 0 for a in leaves)
 
 
+def _largest_free(refusal):
+    """The largest free block at a refusal, as its message names it. Where the pool backs
+    its regions on demand (host and CUDA), they are address space, twice the budget: a
+    free block can be larger than the budget, and what of it the budget can back is the
+    figure that decides."""
+    largest, allocatable = refusal["largest_free_block_bytes"], refusal["largest_allocatable_bytes"]
+    if allocatable < largest:
+        return f"{format_bytes(allocatable)} within the budget"
+    return format_bytes(largest)
+
+
 def _gradient_bytes(model):
     """Bytes of one gradient per trainable weight: what a training step holds at once
     whatever its batch size."""
@@ -598,7 +609,7 @@ class MemGuardCallback(keras.callbacks.Callback):
         outside = refusal["overshoot_bytes_in_use"] + refusal["passthrough_bytes_in_use"]
         head = (f"{self._device}: cannot allocate {format_bytes(req)} ({req} bytes): "
                 f"{format_bytes(refusal['bytes_in_use'] - outside)} of the {format_bytes(refusal['bytes_limit'])} "
-                f"budget in use, largest free block {format_bytes(refusal['largest_free_block_bytes'])}")
+                f"budget in use, largest free block {_largest_free(refusal)}")
         if refusal["overshoot_bytes_in_use"]:
             head += (f" ({format_bytes(refusal['overshoot_bytes_in_use'])} more granted over the budget to "
                      "requests TensorFlow cannot survive a refusal of, such as numpy inputs)")

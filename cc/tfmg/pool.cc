@@ -929,10 +929,17 @@ std::string pool::state_locked() const {
     s = format_bytes(pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_) +
         " in use, no budget set";
   } else {
-    s = format_bytes(pooled_in_use_) + " of the " + format_bytes(limit_) +
-        " budget in use, largest free block " + format_bytes(largest_free_locked());
-    const std::size_t growable = largest_allocatable_locked();
-    if (growable > largest_free_locked()) s += " (" + format_bytes(growable) + " could be reserved)";
+    s = format_bytes(pooled_in_use_) + " of the " + format_bytes(limit_) + " budget in use, largest free block ";
+    const std::size_t largest = largest_free_locked();
+    const std::size_t allocatable = largest_allocatable_locked();
+    if (allocatable < largest) {
+      // Backed on demand, free blocks are address space (address_factor times the
+      // budget): what of one the budget can back is the figure that decides.
+      s += format_bytes(allocatable) + " within the budget";
+    } else {
+      s += format_bytes(largest);
+      if (allocatable > largest) s += " (" + format_bytes(allocatable) + " could be reserved)";
+    }
     if (overshoot_in_use_ != 0) s += ", " + format_bytes(overshoot_in_use_) + " granted over budget";
     if (passthrough_in_use_ != 0) {
       s += ", " + format_bytes(passthrough_in_use_) + " allocated before the budget was set";

@@ -157,6 +157,32 @@ void test_over_budget_request_fails_and_leaves_counters_unchanged() {
   tfmg_pool_destroy(p, 0);
 }
 
+void test_a_refusal_backed_on_demand_names_the_free_block_within_the_budget() {
+  // Backed on demand, regions are address space (twice the budget): a free block can be
+  // larger than the budget. The message names what of it the budget can back (it said
+  // "10.0 MiB of the 64.0 MiB budget in use, largest free block 118 MiB" for a refused
+  // 60 MiB, which reads as a pool that refused what it had room for).
+  tfmg_pool_options o;
+  tfmg_pool_options_init(&o);
+  o.max_bytes = 64 * MiB;
+  o.upstream = TFMG_UPSTREAM_HOST_ON_DEMAND;
+  tfmg_pool* p = nullptr;
+  CHECK_OK(tfmg_pool_create(&o, &p));
+  void* a = alloc(p, 10 * MiB);
+  CHECK(a != nullptr);
+  void* b = nullptr;
+  CHECK(tfmg_pool_allocate(p, 60 * MiB, 0, 0, &b) == TFMG_ERROR_OUT_OF_MEMORY);
+  const std::string msg = tfmg_last_error();
+  tfmg_refusal r;
+  CHECK_OK(tfmg_pool_last_refusal(p, &r));
+  CHECK(r.largest_free_block_bytes > 64 * MiB);
+  CHECK(r.largest_allocatable_bytes == 54 * MiB);
+  CHECK(msg.find("10.0 MiB of the 64.0 MiB budget in use, largest free block 54.0 MiB within the budget") !=
+        std::string::npos);
+  tfmg_pool_deallocate(p, a, nullptr);
+  tfmg_pool_destroy(p, 0);
+}
+
 void test_reserved_bytes_never_exceed_the_budget_and_empty_regions_are_reused() {
   tfmg_pool* p = make_pool(10 * MiB, 1 * MiB);  // regions 1, 2, 4 MiB, ...
   std::vector<void*> v;
@@ -786,6 +812,8 @@ int main() {
       {"best_fit_takes_the_smallest_hole_that_fits", test_best_fit_takes_the_smallest_hole_that_fits},
       {"over_budget_request_fails_and_leaves_counters_unchanged",
        test_over_budget_request_fails_and_leaves_counters_unchanged},
+      {"a_refusal_backed_on_demand_names_the_free_block_within_the_budget",
+       test_a_refusal_backed_on_demand_names_the_free_block_within_the_budget},
       {"reserved_bytes_never_exceed_the_budget_and_empty_regions_are_reused",
        test_reserved_bytes_never_exceed_the_budget_and_empty_regions_are_reused},
       {"zero_bytes_gets_a_unique_freeable_block", test_zero_bytes_gets_a_unique_freeable_block},

@@ -106,6 +106,12 @@ def test_oom_is_explained_and_reported_and_the_process_goes_on():
     for part in ("tf_memguard: CPU:0: cannot allocate", "of the 128 MiB budget in use", "largest free block",
                  "Reduce the batch size to", "(now 1024)"):
         assert part in d["notes"], d["notes"]
+    # The largest free block it names is one the budget could back: the pool's regions
+    # are address space, twice the budget, and the note once said "72.7 MiB of the 128
+    # MiB budget in use, largest free block 183 MiB" for a refused 56.2 MiB.
+    from tf_memguard._units import parse_bytes
+    largest = re.search(r"largest free block ([\d.]+ [KMG]iB)", d["notes"]).group(1)
+    assert parse_bytes(largest.replace(" ", ""), 0) <= 128 << 20, d["notes"]
     assert d["oom"] and "cannot allocate" in d["oom"]
     assert d["unchanged"] is True
     assert 1 <= d["size"] < 1024
