@@ -44,6 +44,18 @@ tfmg_pool* make_pool(uint64_t budget, uint64_t region = 0, uint64_t trace = 0) {
   return p;
 }
 
+tfmg_pool* make_on_demand_pool(uint64_t budget, uint64_t address_factor = 0, double trim = 0.0) {
+  tfmg_pool_options o;
+  tfmg_pool_options_init(&o);
+  o.max_bytes = budget;
+  o.upstream = TFMG_UPSTREAM_HOST_ON_DEMAND;  // 64 KiB granules
+  o.address_factor = address_factor;
+  o.trim_above_peak = trim;
+  tfmg_pool* p = nullptr;
+  if (tfmg_pool_create(&o, &p) != TFMG_OK) std::abort();
+  return p;
+}
+
 tfmg_stats stats(tfmg_pool* p) {
   tfmg_stats s;
   tfmg_pool_get_stats(p, &s);
@@ -162,12 +174,7 @@ void test_a_refusal_backed_on_demand_names_the_free_block_within_the_budget() {
   // larger than the budget. The message names what of it the budget can back (it said
   // "10.0 MiB of the 64.0 MiB budget in use, largest free block 118 MiB" for a refused
   // 60 MiB, which reads as a pool that refused what it had room for).
-  tfmg_pool_options o;
-  tfmg_pool_options_init(&o);
-  o.max_bytes = 64 * MiB;
-  o.upstream = TFMG_UPSTREAM_HOST_ON_DEMAND;
-  tfmg_pool* p = nullptr;
-  CHECK_OK(tfmg_pool_create(&o, &p));
+  tfmg_pool* p = make_on_demand_pool(64 * MiB);
   void* a = alloc(p, 10 * MiB);
   CHECK(a != nullptr);
   void* b = nullptr;
@@ -460,18 +467,6 @@ void test_backing_on_demand_maps_what_blocks_need_and_gives_it_back() {
   CHECK(stats(p).bytes_reserved == 0);
   CHECK(valid(p));
   CHECK_OK(tfmg_pool_destroy(p, 0));
-}
-
-tfmg_pool* make_on_demand_pool(uint64_t budget, uint64_t address_factor = 0, double trim = 0.0) {
-  tfmg_pool_options o;
-  tfmg_pool_options_init(&o);
-  o.max_bytes = budget;
-  o.upstream = TFMG_UPSTREAM_HOST_ON_DEMAND;  // 64 KiB granules
-  o.address_factor = address_factor;
-  o.trim_above_peak = trim;
-  tfmg_pool* p = nullptr;
-  if (tfmg_pool_create(&o, &p) != TFMG_OK) std::abort();
-  return p;
 }
 
 // 4,000 random operations (52% allocations of 256 B to 1 MiB, each written whole) on a
