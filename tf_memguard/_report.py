@@ -34,8 +34,10 @@ class Report:
         allocs, refusals: counts over the run.
         overshoot_bytes_by_kind: bytes granted over the budget during the run, by kind.
         batch_size: the batch size the run used, if known.
-        suggested_batch_size: the largest batch size expected to fit the budget with
-            headroom, or None; suggestion_method says how it was found.
+        suggested_batch_size: the largest batch size expected to fit the budget, or
+            None; suggestion_method says how it was found (measured by trials, a few
+            percent under where their peaks reach the budget; estimated from the
+            profiled steps, ``headroom`` under it; see MemGuardCallback).
         leak: the leak verdict ("no leak", "possible leak: ...", "too few epochs to tell").
         oom: the out-of-memory explanation, if the run failed for lack of memory.
         process_peak_rss_bytes: the process's peak resident memory (all of it: tensors,
@@ -82,7 +84,7 @@ class Report:
             lines.append(f"allocated before the budget was set: {format_bytes(self.predating_bytes)}")
         if self.suggested_batch_size:
             now = f" (now {self.batch_size})" if self.batch_size else ""
-            lines.append(f"batch size that fits the budget with headroom: {self.suggested_batch_size}{now}, "
+            lines.append(f"batch size that fits the budget: {self.suggested_batch_size}{now}, "
                          f"from {self.suggestion_method}")
         lines.append(f"leak check: {self.leak}")
         if self.process_peak_rss_bytes:
