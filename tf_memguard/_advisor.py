@@ -319,31 +319,35 @@ class FitTrials:
         data = data.map(grab, num_parallel_calls=tf.data.AUTOTUNE).with_options(options)
         return data.prefetch(tf.data.AUTOTUNE), min(steps, full)
 
-    def __call__(self, batch_size, hold=(), steps=None, rounds=1):
+    def __call__(self, batch_size, hold=(), steps=None, rounds=1, profile=False):
         """A Point for `batch_size`, from `rounds` fresh pipelines of `steps` steps each
         (default: the constructor's), with blocks of the sizes in `hold` kept in the pool
         meanwhile. Its peak is the largest of the steps' windows, less the trials' copy;
         fits=False when the pool refused a request (or a oneDNN kernel had to be granted
-        over the budget). The caller restores the model."""
+        over the budget). With `profile`, the batch-shaped bytes of the window that
+        peaked are measured too (Point.split_estimate). The caller restores the model."""
         oom_errors = _backend.oom_errors()
         pool = self.pool
         gc.collect()
         before = pool.stats()
-        peak = 0
+        top = None  # the stats of the window that peaked highest
         with _holding(pool, hold) as fits:
             for _ in range(rounds if fits else 0):
                 dataset, count = self._dataset(batch_size, steps or self.steps)
                 pool.reset_peak()
                 iterator = iter(dataset)
+                if profile:
+                    _core.set_profile_batch(batch_size)
                 try:
                     for _ in range(count):
                         self.train_function(iterator)
-                        peak = max(peak, pool.stats()["window_peak_bytes_in_use"])
+                        top = _higher(top, pool.stats())
                         pool.reset_peak()
                 except oom_errors:
                     fits = False
                 finally:
-                    peak = max(peak, pool.stats()["window_peak_bytes_in_use"])
+                    _core.set_profile_batch(0)
+                    top = _higher(top, pool.stats())
                     del iterator, dataset
                 if not fits:
                     break
@@ -351,12 +355,24 @@ class FitTrials:
         if after["overshoots_by_kind"]["kernel"] > before["overshoots_by_kind"]["kernel"]:
             fits = False
         gc.collect()
-        return Point(batch_size=batch_size, peak_bytes=max(peak - self.copy_bytes, 0),
-                     base_bytes=before["bytes_in_use"] - self.copy_bytes, fits=fits)
+        copy = self.copy_bytes
+        peak = top["window_peak_bytes_in_use"] if top else 0
+        point = Point(batch_size=batch_size, peak_bytes=max(peak - copy, 0), base_bytes=before["bytes_in_use"] - copy,
+                      fits=fits)
+        if profile and top:
+            point = dataclasses.replace(
+                point, batch_bytes=top["window_peak_batch_bytes"], max_batch_bytes=top["window_max_batch_bytes"],
+                in_use_at_max_batch=max(top["window_in_use_at_max_batch"] - copy, 0))
+        return point
 
     def close(self):
         self.tensors = self.train_function = None
         gc.collect()
+
+
+def _higher(top, stats):
+    """Of two pool stats, the one whose window peaked higher (`top` may be None)."""
+    return stats if top is None or stats["window_peak_bytes_in_use"] > top["window_peak_bytes_in_use"] else top
 
 
 def peak_spread(points, budget):
@@ -491,10 +507,11 @@ def fit_holds(x, y=None, prefetched=2, framework="tensorflow", copies=True):
 def find_batch_size(model, x, y=None, max_bytes=None, device=None, trials=4, start=None, margin=0.05):
     """The largest batch size whose training step fits the budget, in at most `trials` steps.
 
-    Each trial is one real training step (``train_on_batch``) on the first samples of
-    `x`, under the budget, with blocks the size of what fit() holds beside a step (its
-    copy of the arrays, prefetched batches) allocated in the pool; a refused step counts
-    as too big. The trials start small
+    Each trial is one real training step under the budget; a refused step counts as
+    too big. On TensorFlow it is the first step of a tf.data pipeline built as fit()
+    builds it over a copy of the arrays (see FitTrials); on PyTorch, a
+    ``train_on_batch`` step on the first samples of `x` beside a block the size of the
+    batch fit() moves to the device. The trials start small
     (or at `start`) and move by a line fitted through the measured peaks, which for the
     concave memory curves of real models approaches the largest size from below.
     The model's weights and optimizer state are restored exactly afterwards; its metrics
@@ -549,10 +566,22 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, trials=4, sta
     if budget != previous:
         pool.release_unused()
         pool.set_limit(budget)
+    fit_trials = None
     try:
-        found, _ = search(model, x, y, budget, pool, trials=trials, start=start,
-                          hold=fit_holds(x, y, framework=_backend.framework()))
+        if _backend.framework() == "tensorflow":
+            # A step as fit() runs it (see FitTrials): a lone train_on_batch step needs
+            # less, and its answer once ran out (the example's CNN at 128 MiB: a lone
+            # step fitted at 497, and 472 ran out in fit(), where 400 trains). The
+            # trials' copy of the arrays stands for fit()'s; their peaks leave it out.
+            fit_trials = FitTrials(model, x, y, pool, steps=1)
+            found, _ = search(model, x, y, budget - fit_trials.copy_bytes, pool, trials=trials, start=start,
+                              run=lambda size, hold: fit_trials(size, hold, profile=True))
+        else:
+            found, _ = search(model, x, y, budget, pool, trials=trials, start=start,
+                              hold=fit_holds(x, y, framework=_backend.framework()))
     finally:
+        if fit_trials is not None:
+            fit_trials.close()
         if budget != previous and previous:
             pool.release_unused()
             pool.set_limit(previous)
