@@ -51,12 +51,16 @@ void call(F&& f) {
   if (s != TFMG_OK) raise(s, message);
 }
 
+// Ints and anything with __index__ (numpy's integers); never bools, which are ints to
+// Python but never a size anyone meant.
 uint64_t to_u64(const py::handle& value, const char* name, bool saturate) {
-  if (!py::isinstance<py::int_>(value) || py::isinstance<py::bool_>(value)) {
+  PyObject* index = py::isinstance<py::bool_>(value) || PyFloat_Check(value.ptr()) ? nullptr : PyNumber_Index(value.ptr());
+  if (index == nullptr) {
+    PyErr_Clear();
     throw py::value_error(std::string(name) + "=" + py::repr(value).cast<std::string>() +
                           ": must be an int");
   }
-  py::int_ v = py::reinterpret_borrow<py::int_>(value);
+  py::int_ v = py::reinterpret_steal<py::int_>(index);
   if (v < py::int_(0)) {
     throw py::value_error(std::string(name) + "=" + py::repr(value).cast<std::string>() +
                           ": must not be negative");
@@ -67,6 +71,19 @@ uint64_t to_u64(const py::handle& value, const char* name, bool saturate) {
                           ": larger than 2**64 - 1");
   }
   return v.cast<uint64_t>();
+}
+
+// The names of TFMG_KIND_*, in order.
+const char* const kKinds[TFMG_NUM_KINDS] = {"other", "kernel", "tensor", "raw", "constant",
+                                            "data", "input", "xla", "copy"};
+
+unsigned parse_kind(const std::string& kind) {
+  for (unsigned k = 0; k < TFMG_NUM_KINDS; ++k) {
+    if (kind == kKinds[k]) return k;
+  }
+  std::string names;
+  for (const char* k : kKinds) names += std::string(names.empty() ? "'" : ", '") + k + "'";
+  throw py::value_error("kind='" + kind + "': must be one of " + names);
 }
 
 py::dict stats_dict(const tfmg_stats& s) {
@@ -98,14 +115,17 @@ py::dict stats_dict(const tfmg_stats& s) {
   d["window_tight_in_use_bytes"] = s.window_tight_in_use_bytes;
   d["num_reclaims"] = s.num_reclaims;
   d["bytes_reclaimed"] = s.bytes_reclaimed;
-  static const char* const kinds[] = {"other", "kernel", "tensor", "raw"};
-  py::dict by_kind, bytes_by_kind;
+  py::dict by_kind, bytes_by_kind, in_use_by_kind, over_in_use_by_kind;
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
-    by_kind[kinds[k]] = s.overshoots_by_kind[k];
-    bytes_by_kind[kinds[k]] = s.overshoot_bytes_by_kind[k];
+    by_kind[kKinds[k]] = s.overshoots_by_kind[k];
+    bytes_by_kind[kKinds[k]] = s.overshoot_bytes_by_kind[k];
+    in_use_by_kind[kKinds[k]] = s.bytes_in_use_by_kind[k];
+    over_in_use_by_kind[kKinds[k]] = s.overshoot_in_use_by_kind[k];
   }
   d["overshoots_by_kind"] = by_kind;
   d["overshoot_bytes_by_kind"] = bytes_by_kind;
+  d["bytes_in_use_by_kind"] = in_use_by_kind;
+  d["overshoot_in_use_by_kind"] = over_in_use_by_kind;
   d["fragmentation"] = s.fragmentation;
   return d;
 }
@@ -124,8 +144,14 @@ py::dict refusal_dict(const tfmg_refusal& r) {
   d["overshoot_bytes_in_use"] = r.overshoot_bytes_in_use;
   d["passthrough_bytes_in_use"] = r.passthrough_bytes_in_use;
   d["requested_batch"] = r.requested_batch != 0;
-  static const char* const kinds[] = {"other", "kernel", "tensor", "raw"};
-  d["kind"] = kinds[r.kind & 3];
+  d["kind"] = r.kind >= 0 && r.kind < TFMG_NUM_KINDS ? kKinds[r.kind] : "other";
+  py::dict in_use_by_kind, over_in_use_by_kind;
+  for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
+    in_use_by_kind[kKinds[k]] = r.bytes_in_use_by_kind[k];
+    over_in_use_by_kind[kKinds[k]] = r.overshoot_in_use_by_kind[k];
+  }
+  d["bytes_in_use_by_kind"] = in_use_by_kind;
+  d["overshoot_in_use_by_kind"] = over_in_use_by_kind;
   return d;
 }
 
@@ -178,15 +204,14 @@ class Pool {
   }
 
   uintptr_t allocate(const py::object& nbytes, const py::object& alignment, bool must_succeed,
-                     bool batch) {
+                     bool batch, const std::string& kind) {
     const uint64_t n = to_u64(nbytes, "nbytes", true);
     const uint64_t a = to_u64(alignment, "alignment", false);
+    const uint32_t flags = (must_succeed ? TFMG_ALLOC_MUST_SUCCEED : 0u) | (batch ? TFMG_ALLOC_BATCH : 0u) |
+                           TFMG_ALLOC_KIND(parse_kind(kind));
     tfmg_pool* p = get();
     void* out = nullptr;
-    call([&] {
-      return tfmg_pool_allocate(
-          p, n, a, (must_succeed ? TFMG_ALLOC_MUST_SUCCEED : 0u) | (batch ? TFMG_ALLOC_BATCH : 0u), &out);
-    });
+    call([&] { return tfmg_pool_allocate(p, n, a, flags, &out); });
     return reinterpret_cast<uintptr_t>(out);
   }
 
@@ -376,7 +401,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("small_threshold") = 0, py::arg("trace_capacity") = 0, py::arg("upstream") = "host",
            py::arg("device") = 0, py::arg("address_factor") = 0, py::arg("trim_above_peak") = py::none())
       .def("allocate", &Pool::allocate, py::arg("nbytes"), py::arg("alignment") = 0,
-           py::arg("must_succeed") = false, py::arg("batch") = false)
+           py::arg("must_succeed") = false, py::arg("batch") = false, py::arg("kind") = "other")
       .def("free", &Pool::free, py::arg("address"))
       .def("block_size", &Pool::block_size, py::arg("address"))
       .def("set_limit", &Pool::set_limit, py::arg("max_bytes"), py::arg("drain") = false)
@@ -430,11 +455,14 @@ PYBIND11_MODULE(_core, m) {
         "this batch size, so the pool can split a step's peak into fixed and per-sample bytes.");
   m.def("profile_batch", &tfmg_profile_batch);
   m.def("plugin_path", []() { return std::string(tfmg_plugin_path()); });
+  m.def("plugin_message", []() { return std::string(tfmg_plugin_message()); });
   m.attr("PLUGIN_LOADED") = TFMG_PLUGIN_LOADED;
   m.attr("PLUGIN_REGISTERED") = TFMG_PLUGIN_REGISTERED;
   m.attr("PLUGIN_SERVING") = TFMG_PLUGIN_SERVING;
   m.attr("PLUGIN_DISABLED") = TFMG_PLUGIN_DISABLED;
   m.attr("PLUGIN_DUPLICATE") = TFMG_PLUGIN_DUPLICATE;
+  m.attr("PLUGIN_MISMATCH") = TFMG_PLUGIN_MISMATCH;
+  m.attr("PLUGIN_GLUE_FAILED") = TFMG_PLUGIN_GLUE_FAILED;
 
   m.def(
       "replay_pool",

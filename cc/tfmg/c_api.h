@@ -23,7 +23,7 @@ extern "C" {
 
 /* Bumped whenever a struct below or a function signature changes; the plugin and the
  * bindings refuse a core whose version differs from the header they were built with. */
-#define TFMG_ABI_VERSION 2  /* 2: tfmg_stats' window_tight_*, options' address_factor */
+#define TFMG_ABI_VERSION 3  /* 3: nine kinds, in-use bytes by kind, TFMG_ALLOC_QUIET */
 
 typedef enum tfmg_status {
   TFMG_OK = 0,
@@ -39,22 +39,34 @@ typedef enum tfmg_status {
 #define TFMG_ALLOC_DEFAULT 0u
 /* The caller cannot handle a refusal (TensorFlow crashes on a null for a numpy input,
  * say). If the budget cannot serve the request, it is taken straight from the upstream
- * and accounted as overshoot. Fails only when the upstream itself fails. */
+ * and accounted as overshoot. Fails only when the upstream itself fails. Overshoot
+ * counts against the budget: while it is in use, the requests that can be refused get
+ * that much less room, so the account (pooled bytes in use plus overshoot) passes the
+ * budget only by what unrefusable requests were granted over it. */
 #define TFMG_ALLOC_MUST_SUCCEED 1u
 /* The block's size is proportional to the training batch (its first dimension is the
  * batch size), as classified by the caller while profiling (tfmg_set_profile_batch).
  * The pool keeps how many such bytes are live, and how many were at the window peak:
  * the split of a step's peak into a fixed part and a per-sample part. */
 #define TFMG_ALLOC_BATCH 2u
+/* A probe: a request the budget cannot serve fails without being recorded as a refusal
+ * (no count, no last_refusal, no trace event). For a caller that decides what to do
+ * about a request only once it knows the request does not fit. */
+#define TFMG_ALLOC_QUIET 4u
 /* What asked for the memory, in bits 8-11 of the flags: TFMG_ALLOC_KIND(TFMG_KIND_...).
- * Only used to account overshoot by kind. */
+ * The pool keeps the bytes in use, and the overshoot, by kind: what holds the memory. */
 #define TFMG_ALLOC_KIND_SHIFT 8
 #define TFMG_ALLOC_KIND(kind) ((uint32_t)(kind) << TFMG_ALLOC_KIND_SHIFT)
-#define TFMG_KIND_OTHER 0  /* unspecified */
-#define TFMG_KIND_KERNEL 1 /* a kernel's output or scratch (TensorFlow can take a refusal) */
-#define TFMG_KIND_TENSOR 2 /* a tensor made outside a kernel: numpy or Python values */
-#define TFMG_KIND_RAW 3    /* raw buffers: XLA, the runtime (2-argument AllocateRaw) */
-#define TFMG_NUM_KINDS 4
+#define TFMG_KIND_OTHER 0    /* unspecified */
+#define TFMG_KIND_KERNEL 1   /* a kernel's output or scratch (TensorFlow can take a refusal) */
+#define TFMG_KIND_TENSOR 2   /* a tensor made outside a kernel, by a path not named below */
+#define TFMG_KIND_RAW 3      /* a raw buffer of the runtime (2-argument AllocateRaw) */
+#define TFMG_KIND_CONSTANT 4 /* a constant made from its proto (ConstantOp, constant folding) */
+#define TFMG_KIND_DATA 5     /* tf.data: elements, batches, shuffle and prefetch buffers */
+#define TFMG_KIND_INPUT 6    /* numpy arrays and Python values made into tensors */
+#define TFMG_KIND_XLA 7      /* XLA's buffers (jit_compile) */
+#define TFMG_KIND_COPY 8     /* deep copies of tensors (constant folding's results, ...) */
+#define TFMG_NUM_KINDS 9
 
 typedef enum tfmg_upstream_kind {
   TFMG_UPSTREAM_HOST = 0,        /* page-aligned host memory (mmap for regions) */
@@ -141,6 +153,8 @@ typedef struct tfmg_stats {
   int64_t bytes_reclaimed;
   int64_t overshoots_by_kind[TFMG_NUM_KINDS];      /* cumulative, indexed by TFMG_KIND_* */
   int64_t overshoot_bytes_by_kind[TFMG_NUM_KINDS]; /* cumulative bytes granted over budget */
+  int64_t bytes_in_use_by_kind[TFMG_NUM_KINDS];    /* of bytes_in_use, by what asked for it */
+  int64_t overshoot_in_use_by_kind[TFMG_NUM_KINDS];/* of overshoot_bytes_in_use, by kind */
   /* 1 - largest_free_block_bytes / bytes_free, in [0, 1); 0 when nothing is free.
    * 0 means all free memory is one block; near 1, it is in many small pieces. */
   double fragmentation;
@@ -161,6 +175,8 @@ typedef struct tfmg_refusal {
   int64_t passthrough_bytes_in_use;/* of bytes_in_use, allocated before the budget */
   int32_t requested_batch;         /* 1 if the refused request was batch-tagged */
   int32_t kind;                    /* TFMG_KIND_* of the refused request */
+  int64_t bytes_in_use_by_kind[TFMG_NUM_KINDS];     /* what held the memory then */
+  int64_t overshoot_in_use_by_kind[TFMG_NUM_KINDS]; /* of it, granted over the budget */
 } tfmg_refusal;
 
 typedef enum tfmg_trace_op {
@@ -205,11 +221,18 @@ TFMG_API tfmg_status tfmg_pool_deallocate(tfmg_pool* pool, void* ptr, uint64_t* 
 /* The size of the block at ptr (rounded), or UNKNOWN_POINTER. */
 TFMG_API tfmg_status tfmg_pool_block_size(tfmg_pool* pool, const void* ptr, uint64_t* out);
 
-/* Sets or changes the budget. Raising it always works; lowering it below bytes_reserved
- * first returns free regions, and fails with OUT_OF_MEMORY (leaving the old limit) if
- * that is not enough. Setting a budget on a pass-through pool switches it to pooling;
+/* Sets or changes the budget. Raising it always works; lowering it gives back free
+ * memory first (empty regions; where the upstream backs on demand, the granules inside
+ * free blocks), and fails with OUT_OF_MEMORY (leaving the old limit) only if what stays
+ * held under blocks in use does not fit the new budget. INVALID_ARGUMENT for 0 and for
+ * budgets above TFMG_MAX_BUDGET. Setting a budget on a pass-through pool switches it to pooling;
  * blocks handed out before stay valid and are counted as passthrough bytes. */
 TFMG_API tfmg_status tfmg_pool_set_limit(tfmg_pool* pool, uint64_t max_bytes);
+/* The largest budget a pool takes: 32 TiB. x86-64 and AArch64 give a process 128 TiB of
+ * virtual address space (47 bits), and a pool backed on demand reserves address_factor
+ * (2 by default, 4 at most sensible) times its budget; a larger budget could never be
+ * reserved and would overflow the int64 fields TensorFlow's statistics use. */
+#define TFMG_MAX_BUDGET (UINT64_C(1) << 45)
 /* Lowers (or sets) the budget at once, whatever is held: regions that cannot go back
  * because they hold blocks in use stop serving requests ("drain") and are returned to
  * the upstream when their last block is freed; until then bytes_reserved counts them,
@@ -268,8 +291,14 @@ TFMG_API int64_t tfmg_profile_batch(void);
 #define TFMG_PLUGIN_DISABLED 8       /* TF_MEMGUARD_DISABLE=1: did nothing */
 #define TFMG_PLUGIN_DUPLICATE 16     /* another copy registered first */
 #define TFMG_PLUGIN_GPU_HOOK 32      /* TF's GPUProcessState is tf_memguard's: GPU budgets work */
+#define TFMG_PLUGIN_MISMATCH 64      /* built for another TensorFlow: the glue was not loaded */
+#define TFMG_PLUGIN_GLUE_FAILED 128  /* the glue did not load or register (see the message) */
 TFMG_API void tfmg_plugin_set_state(int flags); /* ORs flags in */
 TFMG_API int tfmg_plugin_state(void);
+/* Why the plugin does not serve TensorFlow, as it warned at `import tensorflow` ("" if
+ * it does): for tf_memguard.install() to raise with the same words. */
+TFMG_API void tfmg_plugin_set_message(const char* message);
+TFMG_API const char* tfmg_plugin_message(void);
 /* The path the plugin was loaded from ("" if none). */
 TFMG_API void tfmg_plugin_set_path(const char* path);
 TFMG_API const char* tfmg_plugin_path(void);

@@ -17,6 +17,10 @@ constexpr std::size_t kBlockChunk = 1024;  // blocks are allocated in chunks of 
 bool is_pow2(std::size_t x) { return x != 0 && (x & (x - 1)) == 0; }
 std::size_t round_up(std::size_t x, std::size_t a) { return (x + a - 1) & ~(a - 1); }
 std::size_t round_down(std::size_t x, std::size_t a) { return x & ~(a - 1); }
+unsigned kind_of(unsigned flags) {
+  const unsigned k = (flags >> TFMG_ALLOC_KIND_SHIFT) & 15u;
+  return k < TFMG_NUM_KINDS ? k : TFMG_KIND_OTHER;
+}
 
 }  // namespace
 
@@ -188,8 +192,13 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
 
   // Small blocks go to the high end of the best-fitting free block (see pool.h).
   const bool small = size < small_threshold_ && alignment == granule_;
-  block* b = find_fit_locked(size, alignment, small);
-  if (b == nullptr && grow_locked(size, alignment)) b = find_fit_locked(size, alignment, small);
+  block* b = nullptr;
+  // Backed on demand, back_block_locked holds the account to the budget; a plain
+  // region is the budget, and only overshoot can make its free blocks too many.
+  if (backs_ || pooled_in_use_ - draining_in_use_ + size <= budget_left_locked()) {
+    b = find_fit_locked(size, alignment, small);
+    if (b == nullptr && grow_locked(size, alignment)) b = find_fit_locked(size, alignment, small);
+  }
   if (b == nullptr) {
     if (flags & TFMG_ALLOC_MUST_SUCCEED) {
       return allocate_direct_locked(size, alignment, true, flags, error);
@@ -220,9 +229,10 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
     window_tight_in_use_ = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
   }
   b->batch = (flags & TFMG_ALLOC_BATCH) != 0;
+  b->kind = static_cast<unsigned char>(kind_of(flags));
   live_.insert(b->addr, b);
   pooled_in_use_ += b->size;
-  note_alloc_locked(b->size, b->batch);
+  note_alloc_locked(b->size, b->batch, b->kind);
   if (trace_.enabled()) {
     trace_.record(TFMG_TRACE_ALLOC, b->owner->index, b->size, b->addr - b->owner->base, b->addr);
   }
@@ -234,7 +244,8 @@ bool pool::back_block_locked(block* b, bool* device_full) {
   // Far from the budget (and with no trim line) the block cannot pass it, whatever of
   // its granules lack backing: no need to count them first.
   const std::size_t page = upstream_->page_size();
-  const bool far = trim_ == 0 && backed_ <= limit_ && b->size + 2 * page <= limit_ - backed_;
+  const std::size_t budget = budget_left_locked();  // overshoot counts against the budget
+  const bool far = trim_ == 0 && backed_ <= budget && b->size + 2 * page <= budget - backed_;
   const std::size_t need = far ? 0 : upstream_->unbacked(reinterpret_cast<void*>(b->addr), b->size);
   bool reclaimed = false;
   bool soft_only = false;  // a reclaim for the trim line alone, the budget not reached
@@ -244,11 +255,11 @@ bool pool::back_block_locked(block* b, bool* device_full) {
     // Over the budget, free granules must go first (or the request is refused, nothing
     // changed); over the trim line (trim_above_peak), they go if there are any.
     const std::size_t after = backed_ + need;
-    const std::size_t hard = after > limit_ ? after - limit_ : 0;
+    const std::size_t hard = after > budget ? after - budget : 0;
     std::size_t soft = hard;
     if (trim_ > 0) {
       const double line = static_cast<double>(pooled_peak_) * (1.0 + trim_);
-      const std::size_t cap = std::min(limit_, round_up(static_cast<std::size_t>(line), page));
+      const std::size_t cap = std::min(budget, round_up(static_cast<std::size_t>(line), page));
       soft = std::max(hard, after > cap ? after - cap : 0);
     }
     if (soft > 0) {
@@ -262,7 +273,7 @@ bool pool::back_block_locked(block* b, bool* device_full) {
         reclaimed = true;
         soft_only = hard == 0;
       }
-      if (backed_ + need > limit_) {
+      if (backed_ + need > budget) {
         upstream_->settle();
         return false;
       }
@@ -507,7 +518,7 @@ bool pool::grow_locked(std::size_t size, std::size_t alignment) {
 
 void* pool::allocate_direct_locked(std::size_t size, std::size_t alignment, bool overshoot,
                                    unsigned flags, pool_error* error) {
-  const unsigned kind = (flags >> TFMG_ALLOC_KIND_SHIFT) % TFMG_NUM_KINDS;
+  const unsigned kind = kind_of(flags);
   const bool batch = (flags & TFMG_ALLOC_BATCH) != 0;
   void* p = upstream_->allocate(size, alignment, false);
   if (p == nullptr) {
@@ -520,9 +531,11 @@ void* pool::allocate_direct_locked(std::size_t size, std::size_t alignment, bool
     }
     return nullptr;
   }
-  direct_.emplace(reinterpret_cast<std::uintptr_t>(p), direct_block{size, alignment, overshoot, batch});
+  direct_.emplace(reinterpret_cast<std::uintptr_t>(p),
+                  direct_block{size, alignment, overshoot, batch, static_cast<unsigned char>(kind)});
   if (overshoot) {
     overshoot_in_use_ += size;
+    overshoot_in_use_by_kind_[kind] += size;
     peak_overshoot_ = std::max(peak_overshoot_, overshoot_in_use_);
     ++num_overshoots_;
     ++overshoots_by_kind_[kind];
@@ -530,7 +543,7 @@ void* pool::allocate_direct_locked(std::size_t size, std::size_t alignment, bool
   } else {
     passthrough_in_use_ += size;
   }
-  note_alloc_locked(size, batch);
+  note_alloc_locked(size, batch, kind);
   if (trace_.enabled()) {
     trace_.record(overshoot ? TFMG_TRACE_OVERSHOOT : TFMG_TRACE_ALLOC, -1, size, 0,
                   reinterpret_cast<std::uintptr_t>(p));
@@ -538,8 +551,15 @@ void* pool::allocate_direct_locked(std::size_t size, std::size_t alignment, bool
   return p;
 }
 
-void pool::note_alloc_locked(std::size_t size, bool batch) {
+void pool::note_free_locked(std::size_t size, bool batch, unsigned kind) {
+  ++num_frees_;
+  if (batch) batch_in_use_ -= size;
+  in_use_by_kind_[kind] -= size;
+}
+
+void pool::note_alloc_locked(std::size_t size, bool batch, unsigned kind) {
   ++num_allocs_;
+  in_use_by_kind_[kind] += size;
   largest_alloc_ = std::max(largest_alloc_, size);
   if (batch) batch_in_use_ += size;
   const std::size_t in_use = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
@@ -556,6 +576,12 @@ void pool::note_alloc_locked(std::size_t size, bool batch) {
 
 void pool::refuse_locked(std::size_t bytes, std::size_t alignment, unsigned flags,
                          pool_error* error) {
+  error->status = TFMG_ERROR_OUT_OF_MEMORY;
+  if (flags & TFMG_ALLOC_QUIET) {
+    // A probe: nothing recorded, and no message built (the caller decides what next).
+    error->message = "does not fit the budget";
+    return;
+  }
   ++num_refusals_;
   has_refusal_ = true;
   last_refusal_.sequence = static_cast<std::uint64_t>(num_refusals_);
@@ -572,7 +598,11 @@ void pool::refuse_locked(std::size_t bytes, std::size_t alignment, unsigned flag
   last_refusal_.overshoot_bytes_in_use = static_cast<std::int64_t>(overshoot_in_use_);
   last_refusal_.passthrough_bytes_in_use = static_cast<std::int64_t>(passthrough_in_use_);
   last_refusal_.requested_batch = (flags & TFMG_ALLOC_BATCH) != 0 ? 1 : 0;
-  last_refusal_.kind = static_cast<std::int32_t>((flags >> TFMG_ALLOC_KIND_SHIFT) % TFMG_NUM_KINDS);
+  last_refusal_.kind = static_cast<std::int32_t>(kind_of(flags));
+  for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
+    last_refusal_.bytes_in_use_by_kind[k] = static_cast<std::int64_t>(in_use_by_kind_[k]);
+    last_refusal_.overshoot_in_use_by_kind[k] = static_cast<std::int64_t>(overshoot_in_use_by_kind_[k]);
+  }
   if (trace_.enabled()) trace_.record(TFMG_TRACE_REFUSE, -1, bytes, 0, 0);
   error->status = TFMG_ERROR_OUT_OF_MEMORY;
   error->message = "cannot allocate " + format_bytes(bytes) + " (" + std::to_string(bytes) +
@@ -592,8 +622,7 @@ bool pool::deallocate(void* p, std::size_t* size_out, pool_error* error) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (block* b = live_.erase(addr)) {
     pooled_in_use_ -= b->size;
-    if (b->batch) batch_in_use_ -= b->size;
-    ++num_frees_;
+    note_free_locked(b->size, b->batch, b->kind);
     if (size_out != nullptr) *size_out = b->size;
     if (trace_.enabled()) {
       trace_.record(TFMG_TRACE_FREE, b->owner->index, b->size, b->addr - b->owner->base, b->addr);
@@ -607,8 +636,8 @@ bool pool::deallocate(void* p, std::size_t* size_out, pool_error* error) {
     direct_.erase(d);
     upstream_->deallocate(p, db.size, db.alignment, false);
     (db.overshoot ? overshoot_in_use_ : passthrough_in_use_) -= db.size;
-    if (db.batch) batch_in_use_ -= db.size;
-    ++num_frees_;
+    if (db.overshoot) overshoot_in_use_by_kind_[db.kind] -= db.size;
+    note_free_locked(db.size, db.batch, db.kind);
     if (size_out != nullptr) *size_out = db.size;
     if (trace_.enabled()) trace_.record(TFMG_TRACE_FREE, -1, db.size, 0, addr);
     return true;
@@ -702,20 +731,52 @@ bool pool::set_limit(std::size_t max_bytes, bool drain, pool_error* error) {
     error->message = "max_bytes=0: a budget must be a positive number of bytes";
     return false;
   }
+  if (max_bytes > TFMG_MAX_BUDGET) {
+    error->status = TFMG_ERROR_INVALID_ARGUMENT;
+    error->message = "max_bytes=" + std::to_string(max_bytes) + " (" + format_bytes(max_bytes) +
+                     "): above the " + format_bytes(TFMG_MAX_BUDGET) +
+                     " a pool can take (a process has 128 TiB of address space, and a pool backed on "
+                     "demand reserves twice its budget); pass a smaller max_bytes";
+    return false;
+  }
+  if (backs_) {
+    // The budget bounds the bytes backed; the regions are address space and stay. What
+    // is backed inside free blocks goes back first, and only what stays under blocks in
+    // use has to fit (dry run first, so that a refusal changes nothing).
+    if (max_bytes < backed_) {
+      release_unused_locked();
+      const std::size_t excess = backed_ - std::min(backed_, max_bytes);
+      const std::size_t can = excess == 0 ? 0 : reclaim_locked(excess, /*dry_run=*/true);
+      if (can < excess && !drain) {
+        error->status = TFMG_ERROR_OUT_OF_MEMORY;
+        error->message = "cannot lower the budget to " + format_bytes(max_bytes) + ": " +
+                         format_bytes(backed_ - can) + " stays backed under blocks in use (" +
+                         format_bytes(pooled_in_use_) + " in use). Free them first; the budget stays " +
+                         format_bytes(limit_) + ".";
+        return false;
+      }
+      if (can > 0) {
+        bytes_reclaimed_ += static_cast<std::int64_t>(reclaim_locked(std::min(excess, can), false));
+        upstream_->settle();
+      }
+    }
+    limit_ = max_bytes;
+    return true;
+  }
   const std::size_t space = max_bytes > SIZE_MAX / address_factor_ ? SIZE_MAX : max_bytes * address_factor_;
-  if (space < reserved_ - draining_ || (backs_ && max_bytes < backed_)) release_unused_locked();
+  if (space < reserved_ - draining_) release_unused_locked();
   if (drain) {
     // The newest regions drain first (the oldest hold the longest-lived blocks).
     for (auto it = regions_.rbegin(); it != regions_.rend() && space < reserved_ - draining_; ++it) {
       if (!(*it)->draining) drain_region_locked(it->get());
     }
   }
-  if (space < reserved_ - draining_ || (backs_ && !drain && max_bytes < backed_)) {
+  if (space < reserved_ - draining_) {
     error->status = TFMG_ERROR_OUT_OF_MEMORY;
     error->message = "cannot lower the budget to " + format_bytes(max_bytes) + ": " +
-                     format_bytes(backs_ ? backed_ : reserved_ - draining_) +
-                     (backs_ ? " is backed under" : " is reserved in regions that still hold") +
-                     " blocks in use. Free them first; the budget stays " + format_bytes(limit_) + ".";
+                     format_bytes(reserved_ - draining_) + " is reserved in regions that still hold blocks in use (" +
+                     format_bytes(pooled_in_use_) + " in use), and a region cannot shrink. Free them first, "
+                     "or lower it with drain=True; the budget stays " + format_bytes(limit_) + ".";
     return false;
   }
   limit_ = max_bytes;
@@ -724,7 +785,11 @@ bool pool::set_limit(std::size_t max_bytes, bool drain, pool_error* error) {
 
 void pool::drain_region_locked(region* r) {
   for (block* b = r->first; b != nullptr; b = b->next) {
-    if (b->free) erase_free_locked(b);
+    if (b->free) {
+      erase_free_locked(b);
+    } else {
+      draining_in_use_ += b->size;  // outside the budget's account from now on
+    }
   }
   r->draining = true;
   draining_ += r->size;
@@ -732,6 +797,7 @@ void pool::drain_region_locked(region* r) {
 
 void pool::free_in_draining_locked(block* b) {
   // As free_block_locked, but free blocks of a draining region are not indexed.
+  draining_in_use_ -= b->size;
   b->free = true;
   if (b->prev != nullptr && b->prev->free) {
     block* prev = b->prev;
@@ -823,7 +889,9 @@ void pool::release_all() {
   listed_ = 0;
   spare_blocks_.clear();
   block_chunks_.clear();
-  reserved_ = draining_ = backed_ = pooled_in_use_ = passthrough_in_use_ = overshoot_in_use_ = batch_in_use_ = 0;
+  reserved_ = draining_ = draining_in_use_ = backed_ = pooled_in_use_ = passthrough_in_use_ = overshoot_in_use_ = batch_in_use_ = 0;
+  std::fill(std::begin(in_use_by_kind_), std::end(in_use_by_kind_), 0);
+  std::fill(std::begin(overshoot_in_use_by_kind_), std::end(overshoot_in_use_by_kind_), 0);
 }
 
 std::size_t pool::in_use_blocks() const {
@@ -847,9 +915,11 @@ std::size_t pool::largest_allocatable_locked() const {
   const std::size_t growable =
       counted > space ? 0 : round_down(space - counted + releasable, upstream_->page_size());
   const std::size_t largest = std::max(largest_free_locked(), growable);
-  // Backed on demand, the budget bounds what can be backed: at most what is not in use.
-  return backs_ ? std::min(largest, round_down(limit_ - std::min(limit_, pooled_in_use_), upstream_->page_size()))
-                : largest;
+  // The account bounds it: at most the budget not in use, overshoot counted (backed on
+  // demand, in whole granules).
+  const std::size_t in_budget = pooled_in_use_ - draining_in_use_;
+  const std::size_t left = budget_left_locked() - std::min(budget_left_locked(), in_budget);
+  return std::min(largest, backs_ ? round_down(left, upstream_->page_size()) : left);
 }
 
 void pool::fill_stats_locked(tfmg_stats* s) const {
@@ -884,6 +954,8 @@ void pool::fill_stats_locked(tfmg_stats* s) const {
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
     s->overshoots_by_kind[k] = overshoots_by_kind_[k];
     s->overshoot_bytes_by_kind[k] = overshoot_bytes_by_kind_[k];
+    s->bytes_in_use_by_kind[k] = static_cast<std::int64_t>(in_use_by_kind_[k]);
+    s->overshoot_in_use_by_kind[k] = static_cast<std::int64_t>(overshoot_in_use_by_kind_[k]);
   }
   s->fragmentation =
       s->bytes_free == 0
@@ -1080,11 +1152,18 @@ bool pool::is_valid(std::string* why) const {
   if (used_blocks != live_.size()) return fail("live map holds blocks that are not in use");
   if (used != pooled_in_use_) return fail("bytes in use do not match the blocks in use");
   if (reserved != reserved_) return fail("bytes reserved do not match the regions");
-  std::size_t draining = 0;
-  for (const auto& r : regions_) draining += r->draining ? r->size : 0;
+  std::size_t draining = 0, draining_used = 0;
+  for (const auto& r : regions_) {
+    if (!r->draining) continue;
+    draining += r->size;
+    for (const block* b = r->first; b != nullptr; b = b->next) draining_used += b->free ? 0 : b->size;
+  }
   if (draining != draining_) return fail("draining bytes do not match the draining regions");
-  if (limit_ != 0 && reserved_ - draining_ > space_limit_locked()) {
-    return fail("reserved bytes exceed the budget (times address_factor where backed on demand)");
+  if (draining_used != draining_in_use_) return fail("bytes in use in draining regions do not match their counter");
+  // Backed on demand, a region is address space and may outlast a lowered budget; the
+  // budget bounds the bytes backed, checked below.
+  if (limit_ != 0 && !backs_ && reserved_ - draining_ > space_limit_locked()) {
+    return fail("reserved bytes exceed the budget");
   }
   std::size_t pass = 0, over = 0, batch = 0;
   for (const auto& d : direct_) {
@@ -1097,6 +1176,17 @@ bool pool::is_valid(std::string* why) const {
   if (batch != batch_in_use_) return fail("batch-tagged bytes do not match their counter");
   if (pass != passthrough_in_use_ || over != overshoot_in_use_) {
     return fail("direct blocks do not match their counters");
+  }
+  std::size_t by_kind[TFMG_NUM_KINDS] = {}, over_by_kind[TFMG_NUM_KINDS] = {};
+  for (const auto& d : direct_) {
+    by_kind[d.second.kind] += d.second.size;
+    if (d.second.overshoot) over_by_kind[d.second.kind] += d.second.size;
+  }
+  live_.for_each([&by_kind](std::uintptr_t, const block* b) { by_kind[b->kind] += b->size; });
+  for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
+    if (by_kind[k] != in_use_by_kind_[k] || over_by_kind[k] != overshoot_in_use_by_kind_[k]) {
+      return fail("bytes in use of kind " + std::to_string(k) + " do not match their counter");
+    }
   }
   const std::size_t in_use = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
   if (peak_in_use_ < in_use || window_peak_ < in_use) return fail("a peak is below the current use");

@@ -10,6 +10,12 @@
 //   granule    the minimum alignment; every block size is a multiple of it.
 //   budget     max_bytes. bytes_reserved (sum of region sizes) never exceeds it.
 //   in use     bytes of blocks handed out, rounded to the granule.
+//   account    pooled bytes in use plus overshoot: what the budget answers for.
+//              Overshoot counts against the budget, so a request that can be refused
+//              is refused when it would take the account over the budget; only
+//              unrefusable (MUST_SUCCEED) requests take it further.
+//   kind       what asked for a block (TFMG_KIND_*: a kernel, tf.data, a constant...);
+//              bytes in use are kept by kind, so a refusal can say what holds memory.
 //   refusal    a request the budget could not serve; recorded with the state then.
 //
 // Placement. A request takes the smallest free block that fits (best fit; ties among
@@ -50,6 +56,7 @@
 #ifndef TFMG_POOL_H_
 #define TFMG_POOL_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -149,6 +156,7 @@ class pool {
     region* owner;
     bool free;
     bool batch;                // in use and tagged TFMG_ALLOC_BATCH
+    unsigned char kind;        // in use: TFMG_KIND_* of its request
     unsigned bin;              // while free in a tree bin: its bin, and its place there
     free_set::iterator where;
     block* fprev;              // while free in an exact list: its list neighbours
@@ -166,6 +174,7 @@ class pool {
     std::size_t alignment;
     bool overshoot;  // false: pass-through (predates the budget)
     bool batch;
+    unsigned char kind;
   };
   using direct_map =
       std::unordered_map<std::uintptr_t, direct_block, std::hash<std::uintptr_t>,
@@ -209,7 +218,11 @@ class pool {
                                unsigned flags, pool_error* error);
   void free_block_locked(block* b);
   void refuse_locked(std::size_t bytes, std::size_t alignment, unsigned flags, pool_error* error);
-  void note_alloc_locked(std::size_t size, bool batch);
+  void note_alloc_locked(std::size_t size, bool batch, unsigned kind);
+  void note_free_locked(std::size_t size, bool batch, unsigned kind);
+  // The part of the budget that pooled blocks may take: the budget less the overshoot
+  // in use (which counts against it).
+  std::size_t budget_left_locked() const { return limit_ - std::min(limit_, overshoot_in_use_); }
   std::size_t largest_free_locked() const;
   std::size_t largest_allocatable_locked() const;
   void fill_stats_locked(tfmg_stats* s) const;
@@ -266,6 +279,7 @@ class pool {
   std::size_t overshoot_in_use_ = 0;
   std::size_t reserved_ = 0;  // bytes of regions (address space where backs_)
   std::size_t draining_ = 0;  // of which in draining regions (outside the budget's count)
+  std::size_t draining_in_use_ = 0;  // of pooled_in_use_, blocks in draining regions
   const bool backs_;          // the upstream backs regions on demand
   const std::size_t address_factor_;
   double trim_;                  // 0 once trimming turned out to cost synchronizations
@@ -284,6 +298,8 @@ class pool {
   std::int64_t bytes_reclaimed_ = 0;
   std::int64_t overshoots_by_kind_[TFMG_NUM_KINDS] = {};
   std::int64_t overshoot_bytes_by_kind_[TFMG_NUM_KINDS] = {};
+  std::size_t in_use_by_kind_[TFMG_NUM_KINDS] = {};
+  std::size_t overshoot_in_use_by_kind_[TFMG_NUM_KINDS] = {};
   std::size_t peak_in_use_ = 0;
   std::size_t window_peak_ = 0;
   std::size_t batch_in_use_ = 0;

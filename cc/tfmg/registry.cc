@@ -19,6 +19,7 @@ struct registry {
   std::map<std::string, int> upstreams;  // device -> tfmg_upstream_kind of its pool  // never destroyed: TF may free at exit
   std::set<std::string> claims;
   std::string plugin_path;
+  std::string plugin_message;
 };
 
 registry& get() {
@@ -123,6 +124,18 @@ void tfmg_plugin_set_path(const char* path) {
   registry& r = get();
   std::lock_guard<std::mutex> lock(r.mutex);
   r.plugin_path = path == nullptr ? "" : path;
+}
+
+void tfmg_plugin_set_message(const char* message) {
+  registry& r = get();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.plugin_message = message == nullptr ? "" : message;
+}
+
+const char* tfmg_plugin_message(void) {
+  registry& r = get();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.plugin_message.c_str();  // set at plugin load, stable after
 }
 
 const char* tfmg_plugin_path(void) {

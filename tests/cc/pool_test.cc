@@ -797,6 +797,100 @@ void test_trim_gives_up_where_it_costs_synchronizations() {
 
 }  // namespace
 
+void* alloc_flags(tfmg_pool* p, uint64_t n, uint32_t flags) {
+  void* ptr = nullptr;
+  tfmg_pool_allocate(p, n, 0, flags, &ptr);
+  return ptr;
+}
+
+// Overshoot counts against the budget: once unrefusable requests took the account over
+// it, requests that can be refused are, until the overshoot is freed. Plain and backed
+// on demand alike.
+void test_overshoot_counts_against_the_budget() {
+  for (int on_demand = 0; on_demand < 2; ++on_demand) {
+    tfmg_pool* p = on_demand ? make_on_demand_pool(8 * MiB) : make_pool(8 * MiB);
+    void* a = alloc(p, 4 * MiB);
+    CHECK(a != nullptr);
+    // Fits the 4 MiB left: served by the pool, not over the budget.
+    void* in_pool = alloc_flags(p, 2 * MiB, TFMG_ALLOC_MUST_SUCCEED | TFMG_ALLOC_KIND(TFMG_KIND_DATA));
+    CHECK(in_pool != nullptr && stats(p).overshoot_bytes_in_use == 0);
+    CHECK_OK(tfmg_pool_deallocate(p, in_pool, nullptr));
+    void* m = alloc_flags(p, 6 * MiB, TFMG_ALLOC_MUST_SUCCEED | TFMG_ALLOC_KIND(TFMG_KIND_DATA));
+    CHECK(m != nullptr);
+    tfmg_stats s = stats(p);
+    CHECK(s.overshoot_bytes_in_use == 6 * MiB);
+    CHECK(s.overshoot_in_use_by_kind[TFMG_KIND_DATA] == 6 * MiB);
+    CHECK(s.largest_allocatable_bytes == 0);
+    // 4 MiB in the pool + 6 MiB over it: nothing more that can be refused fits.
+    CHECK(alloc(p, 64 * 1024) == nullptr);
+    tfmg_refusal r;
+    CHECK_OK(tfmg_pool_last_refusal(p, &r));
+    CHECK(r.overshoot_in_use_by_kind[TFMG_KIND_DATA] == 6 * MiB);
+    CHECK(r.bytes_in_use_by_kind[TFMG_KIND_DATA] == 6 * MiB && r.bytes_in_use_by_kind[TFMG_KIND_OTHER] == 4 * MiB);
+    CHECK(valid(p));
+    CHECK_OK(tfmg_pool_deallocate(p, m, nullptr));
+    void* b = alloc(p, 3 * MiB);  // room again
+    CHECK(b != nullptr);
+    s = stats(p);
+    CHECK(s.bytes_in_use_by_kind[TFMG_KIND_DATA] == 0 && s.overshoot_in_use_by_kind[TFMG_KIND_DATA] == 0);
+    CHECK(s.bytes_reserved <= 8 * MiB);
+    CHECK(valid(p));
+    CHECK_OK(tfmg_pool_deallocate(p, a, nullptr));
+    CHECK_OK(tfmg_pool_deallocate(p, b, nullptr));
+    CHECK_OK(tfmg_pool_destroy(p, 0));
+  }
+}
+
+void test_a_quiet_probe_that_does_not_fit_records_nothing() {
+  tfmg_pool* p = make_pool(4 * MiB);
+  CHECK(alloc_flags(p, 8 * MiB, TFMG_ALLOC_QUIET) == nullptr);
+  tfmg_stats s = stats(p);
+  tfmg_refusal r;
+  CHECK(s.num_refusals == 0 && tfmg_pool_last_refusal(p, &r) == TFMG_ERROR_INVALID_STATE);
+  CHECK(alloc(p, 8 * MiB) == nullptr);  // not quiet: recorded
+  CHECK(stats(p).num_refusals == 1);
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
+// Backed on demand, lowering the budget gives back the granules inside free blocks, and
+// is refused only when what stays backed under blocks in use does not fit (issue: 128 MiB
+// live under 1 GiB was refused a 200 MiB budget, "128 MiB is backed under blocks in use").
+void test_lowering_a_budget_backed_on_demand_gives_back_free_granules() {
+  tfmg_pool* p = make_on_demand_pool(256 * MiB);
+  void* big = alloc(p, 160 * MiB);
+  void* live = alloc(p, 32 * MiB);
+  CHECK(big && live);
+  CHECK_OK(tfmg_pool_deallocate(p, big, nullptr));
+  CHECK(stats(p).bytes_reserved >= 192 * MiB);  // freed granules stay backed until needed
+  CHECK_OK(tfmg_pool_set_limit(p, 48 * MiB));
+  tfmg_stats s = stats(p);
+  CHECK(s.bytes_limit == 48 * MiB && s.bytes_reserved <= 48 * MiB && s.bytes_reserved >= 32 * MiB);
+  CHECK(valid(p));
+  // Below what the live block holds: refused, with the true figure, and nothing changed.
+  CHECK(tfmg_pool_set_limit(p, 16 * MiB) == TFMG_ERROR_OUT_OF_MEMORY);
+  const std::string why = tfmg_last_error();
+  CHECK(why.find("32.0 MiB stays backed under blocks in use") != std::string::npos);
+  CHECK(why.find("the budget stays 48.0 MiB") != std::string::npos);
+  CHECK(stats(p).bytes_limit == 48 * MiB);
+  void* more = alloc(p, 12 * MiB);  // fits the lowered budget
+  CHECK(more != nullptr && alloc(p, 8 * MiB) == nullptr);
+  CHECK(stats(p).bytes_reserved <= 48 * MiB);
+  CHECK(valid(p));
+  CHECK_OK(tfmg_pool_deallocate(p, live, nullptr));
+  CHECK_OK(tfmg_pool_deallocate(p, more, nullptr));
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
+void test_a_budget_above_the_address_space_is_refused() {
+  tfmg_pool* p = make_pool(8 * MiB);
+  CHECK(tfmg_pool_set_limit(p, uint64_t{1} << 63) == TFMG_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(tfmg_last_error()).find("above the 32.0 TiB a pool can take") != std::string::npos);
+  CHECK(stats(p).bytes_limit == 8 * MiB);
+  CHECK_OK(tfmg_pool_set_limit(p, TFMG_MAX_BUDGET));
+  CHECK(stats(p).bytes_limit == static_cast<int64_t>(TFMG_MAX_BUDGET));
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
 int main() {
   struct test {
     const char* name;
@@ -828,6 +922,11 @@ int main() {
       {"reclaims_move_granules_without_waiting", test_reclaims_move_granules_without_waiting},
       {"moving_granules_under_random_churn", test_moving_granules_under_random_churn},
       {"trim_gives_up_where_it_costs_synchronizations", test_trim_gives_up_where_it_costs_synchronizations},
+      {"overshoot_counts_against_the_budget", test_overshoot_counts_against_the_budget},
+      {"a_quiet_probe_that_does_not_fit_records_nothing", test_a_quiet_probe_that_does_not_fit_records_nothing},
+      {"lowering_a_budget_backed_on_demand_gives_back_free_granules",
+       test_lowering_a_budget_backed_on_demand_gives_back_free_granules},
+      {"a_budget_above_the_address_space_is_refused", test_a_budget_above_the_address_space_is_refused},
   };
   int passed = 0, failed = 0;
   for (const test& t : tests) {
