@@ -8,12 +8,15 @@
   torch.cuda.memory.CUDAPluggableAllocator calls, linked to the core. Built against the
   PyTorch of the target environment (its headers and libc10, for torch's
   out-of-memory error) when there is one, else skipped: PyTorch is not a dependency.
-* ``tensorflow-plugins/libtf_memguard_plugin.so``: the TensorFlow glue (cc/tf), which
-  ``import tensorflow`` loads from site-packages; it dlopen()s the core at load time and
-  does not link it. Built against the TensorFlow of the environment being installed
-  into (found by running its interpreter with -I, outside pip's isolated build
-  environment), with that TensorFlow's own compile and link flags. Without TensorFlow
-  the plugin is skipped with a warning (the pool and its bindings still build);
+* ``tensorflow-plugins/libtf_memguard_plugin.so``: the loader (cc/tf/loader.cc), which
+  ``import tensorflow`` loads from site-packages. It has no TensorFlow symbol dependency,
+  so it loads under any TensorFlow; it dlopen()s the core, and the glue only when the
+  running TensorFlow is the one the glue was built for (the version is compiled in).
+* ``tf_memguard/libtfmg_tf.so``: the TensorFlow glue (cc/tf/glue.cc, cc/tf/caller.cc),
+  built against the TensorFlow of the environment being installed into (found by
+  running its interpreter with -I, outside pip's isolated build environment), with that
+  TensorFlow's own compile and link flags. Without TensorFlow the loader and the glue
+  are skipped with a warning (the pool and its bindings still build);
   TF_MEMGUARD_REQUIRE_TF=1 makes that an error.
 
 The list of core sources is ``cc/core_sources.txt``, read by every build (this file and
@@ -43,6 +46,7 @@ class PlainSharedLibrary(Extension):
 
 
 PLUGIN = "tensorflow-plugins.libtf_memguard_plugin"
+TF_GLUE = "tf_memguard.libtfmg_tf"
 
 
 def tensorflow_build_flags():
@@ -152,8 +156,18 @@ else:
     print("tf_memguard: building the TensorFlow plugin against TensorFlow %s" % tf_version)
     ext_modules.append(PlainSharedLibrary(
         PLUGIN,
-        sources=["cc/tf/plugin.cc"],
-        depends=HEADERS,
+        sources=["cc/tf/loader.cc"],
+        depends=HEADERS + ["cc/tf/glue.h"],
+        include_dirs=[HERE],
+        language="c++",
+        define_macros=[("TFMG_TF_VERSION", '"%s"' % tf_version)],
+        extra_compile_args=CXXFLAGS,
+        extra_link_args=["-ldl"],
+    ))
+    ext_modules.append(PlainSharedLibrary(
+        TF_GLUE,
+        sources=["cc/tf/glue.cc", "cc/tf/caller.cc"],
+        depends=HEADERS + ["cc/tf/glue.h", "cc/tf/caller.h"],
         include_dirs=[HERE],
         language="c++",
         # TensorFlow's flags last: they set the C++ standard and ABI it was built with.

@@ -45,6 +45,12 @@ def framework_name():
     return "PyTorch" if framework() == "torch" else "TensorFlow"
 
 
+def tf_glue_path():
+    """tf_memguard's TensorFlow glue (cc/tf/glue.cc), loaded by the plugin under the
+    TensorFlow it was built for."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "libtfmg_tf.so")
+
+
 def torch_glue_path():
     """tf_memguard's PyTorch glue (built when PyTorch was present at install time)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "libtfmg_torch.so")

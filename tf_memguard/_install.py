@@ -79,6 +79,9 @@ def _check_plugin():
     import tensorflow  # noqa: F401  (loads site-packages/tensorflow-plugins/)
 
     state = _core.plugin_state()
+    if state & (_core.PLUGIN_MISMATCH | _core.PLUGIN_GLUE_FAILED):
+        # The words the plugin warned with at `import tensorflow`.
+        raise RuntimeError("tf_memguard: " + _core.plugin_message())
     if state & _core.PLUGIN_DISABLED:
         raise RuntimeError("tf_memguard's TensorFlow plugin is turned off (TF_MEMGUARD_DISABLE=1 in the "
                            "environment), so no budget can be enforced. Unset it and restart Python.")
@@ -116,6 +119,11 @@ def _gpu_pool(device):
     import tensorflow as tf
 
     if not _core.plugin_state() & _core.PLUGIN_GPU_HOOK:
+        if not _env_true("TF_MEMGUARD_GPU"):
+            raise RuntimeError(
+                f"device={device!r}: tf_memguard's GPU allocator hook is off, so TensorFlow keeps its own GPU "
+                "allocator. It is installed only when asked for: start Python with TF_MEMGUARD_GPU=1 in the "
+                "environment (read at `import tensorflow`), then call install(device=...) before the first op.")
         raise RuntimeError("tf_memguard's GPU allocator hook is not installed in this TensorFlow (another "
                            "GPUProcessState was created first), so a GPU budget cannot be enforced.")
     index = int(device.split(":")[1])

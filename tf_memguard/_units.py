@@ -1,4 +1,5 @@
 """Byte sizes: parsing what users write, and printing what they should read."""
+import numbers
 import re
 
 _UNITS = {
@@ -25,13 +26,14 @@ def parse_bytes(value, total, name="max_bytes"):
     def bad(why=HELP):
         return ValueError(f"{name}={value!r}: must be {why}")
 
-    if isinstance(value, bool):
+    if isinstance(value, bool) or (hasattr(value, "dtype") and value.dtype == bool):
         raise bad()
-    if isinstance(value, int):
+    if isinstance(value, numbers.Integral):  # int, numpy's integers
         if value <= 0:
             raise bad()
-        return value
-    if isinstance(value, float):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):  # float, numpy's floats
+        value = float(value)
         if not (0.0 < value <= 1.0):
             raise bad("a fraction in (0, 1] when it is a float (for bytes, pass an int)")
         return max(1, int(total * value))

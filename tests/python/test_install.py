@@ -88,12 +88,13 @@ def test_install_reconfigures_and_reports_what_predates_the_budget():
 
 @pytest.mark.tf
 def test_gpu_allocator_hook_serves_a_pool_on_the_cpu_wheel():
-    # The hook is TensorFlow's GPUProcessState, replaced by the plugin; a pool over host
-    # memory stands in for the device (tfmg_plugin_gpu_selftest in cc/tf/plugin.cc).
+    # The hook is TensorFlow's GPUProcessState, replaced by the glue when TF_MEMGUARD_GPU=1;
+    # a pool over host memory stands in for the device (tfmg_plugin_gpu_selftest in
+    # cc/tf/glue.cc).
     r = run("""
         import ctypes, tensorflow as tf, tf_memguard
-        from tf_memguard import _core
-        lib = ctypes.CDLL(_core.plugin_path())
+        from tf_memguard import _core, _backend
+        lib = ctypes.CDLL(_backend.tf_glue_path())
         buf = ctypes.create_string_buffer(256)
         rc = lib.tfmg_plugin_gpu_selftest(buf, 256)
         try:
@@ -103,13 +104,32 @@ def test_gpu_allocator_hook_serves_a_pool_on_the_cpu_wheel():
             err = str(e)
         emit(rc=rc, msg=buf.value.decode(), hook=bool(_core.plugin_state() & _core.PLUGIN_GPU_HOOK), err=err,
              cpu=float(tf.reduce_sum(tf.ones([4]))))
-    """)
+    """, env={"TF_MEMGUARD_GPU": "1"})
     assert r.returncode == 0, r
     assert r.data["hook"] is True
     assert r.data["rc"] == 0, r.data["msg"]
     # The CPU wheel sees no GPU: install() says so instead of pretending.
     assert r.data["err"] and "TensorFlow sees 0 GPU(s)" in r.data["err"]
     assert r.data["cpu"] == 4.0
+
+
+@pytest.mark.tf
+def test_the_gpu_hook_is_off_unless_asked_for_and_install_says_how():
+    # A TensorFlow GPU user who does not budget the GPU keeps TensorFlow's own GPU allocator.
+    r = run("""
+        import ctypes, tensorflow as tf, tf_memguard
+        from tf_memguard import _core, _backend
+        rc = ctypes.CDLL(_backend.tf_glue_path()).tfmg_plugin_gpu_selftest(ctypes.create_string_buffer(256), 256)
+        try:
+            tf_memguard.install(max_bytes="1GiB", device="GPU:0")
+            err = None
+        except RuntimeError as e:
+            err = str(e)
+        emit(rc=rc, hook=bool(_core.plugin_state() & _core.PLUGIN_GPU_HOOK), err=err)
+    """)
+    assert r.returncode == 0, r
+    assert r.data["hook"] is False and r.data["rc"] == 1  # "the glue did not install its GPUProcessState"
+    assert "TF_MEMGUARD_GPU=1" in r.data["err"] and "before the first op" in r.data["err"]
 
 
 @pytest.mark.tf

@@ -38,7 +38,8 @@ class Result:
 def run(*parts, env=None, timeout=600):
     """Runs the code `parts` (each dedented on its own, then joined) in a fresh Python."""
     full_env = dict(os.environ)
-    for key in ("TF_MEMGUARD_DISABLE", "TF_CPU_ALLOCATOR_USE_BFC", "TF_MEMGUARD_CORE", "TF_MEMGUARD_HOST_UPSTREAM"):
+    for key in ("TF_MEMGUARD_DISABLE", "TF_CPU_ALLOCATOR_USE_BFC", "TF_MEMGUARD_CORE", "TF_MEMGUARD_HOST_UPSTREAM",
+                "TF_MEMGUARD_GPU", "TF_MEMGUARD_GLUE", "TF_MEMGUARD_PLUGIN"):
         full_env.pop(key, None)
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-c", PRELUDE + "\n".join(textwrap.dedent(p) for p in parts)], env=full_env,
