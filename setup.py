@@ -154,10 +154,20 @@ if tf is None:
 else:
     tf_version, tf_cflags, tf_lflags = tf
     print("tf_memguard: building the TensorFlow plugin against TensorFlow %s" % tf_version)
+    # setuptools rebuilds an extension only when a source or a `depends` file is newer
+    # than the built library: a stamp of the TensorFlow it is built against, rewritten
+    # when that changes, makes a build in the same tree after a TensorFlow upgrade rebuild
+    # the loader (which has the version compiled in) and the glue (its headers).
+    stamp = os.path.join(HERE, "build", "tensorflow.stamp")
+    wanted = json.dumps([tf_version, tf_cflags, tf_lflags])
+    os.makedirs(os.path.dirname(stamp), exist_ok=True)
+    if not os.path.exists(stamp) or open(stamp).read() != wanted:
+        with open(stamp, "w") as f:
+            f.write(wanted)
     ext_modules.append(PlainSharedLibrary(
         PLUGIN,
         sources=["cc/tf/loader.cc"],
-        depends=HEADERS + ["cc/tf/glue.h"],
+        depends=HEADERS + ["cc/tf/glue.h", stamp],
         include_dirs=[HERE],
         language="c++",
         define_macros=[("TFMG_TF_VERSION", '"%s"' % tf_version)],
@@ -167,7 +177,7 @@ else:
     ext_modules.append(PlainSharedLibrary(
         TF_GLUE,
         sources=["cc/tf/glue.cc", "cc/tf/caller.cc"],
-        depends=HEADERS + ["cc/tf/glue.h", "cc/tf/caller.h"],
+        depends=HEADERS + ["cc/tf/glue.h", "cc/tf/caller.h", stamp],
         include_dirs=[HERE],
         language="c++",
         # TensorFlow's flags last: they set the C++ standard and ABI it was built with.

@@ -148,8 +148,9 @@ void load() {
            "this tf_memguard was built for TensorFlow " + (built_for.empty() ? "(unknown)" : built_for) +
                ", and this is TensorFlow " + (running.empty() ? "(version unknown)" : running) +
                ": TensorFlow keeps its own allocator, and no budget can be set. Rebuild tf_memguard against "
-               "this TensorFlow: pip install --force-reinstall --no-deps --no-cache-dir tf_memguard "
-               "(from a checkout: pip install --force-reinstall --no-deps -e .).");
+               "this TensorFlow by reinstalling it from its source: pip install --force-reinstall --no-deps "
+               "<tf_memguard's folder or sdist> (in a checkout, with an editable install: pip install "
+               "--force-reinstall --no-deps -e .).");
     return;
   }
   const std::string glue = glue_path(core);

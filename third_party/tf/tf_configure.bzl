@@ -9,6 +9,7 @@ print(json.dumps({
     "lib": tf.sysconfig.get_lib(),
     "cflags": tf.sysconfig.get_compile_flags(),
     "lflags": tf.sysconfig.get_link_flags(),
+    "version": tf.__version__,
 }))
 """
 
@@ -42,7 +43,7 @@ cc_library(
 
 TF_COPTS = {copts}
 """.format(defines = repr(defines), copts = repr(copts)))
-    ctx.file("flags.bzl", "TF_COPTS = %s\nTF_DEFINES = %s\n" % (repr(copts), repr(defines)))
+    ctx.file("flags.bzl", "TF_COPTS = %s\nTF_DEFINES = %s\nTF_VERSION = %s\n" % (repr(copts), repr(defines), repr(info["version"])))
 
 tf_configure = repository_rule(
     implementation = _tf_configure_impl,
