@@ -10,9 +10,10 @@
 #include "cc/tfmg/pool.h"
 
 struct tfmg_pool {
-  explicit tfmg_pool(std::unique_ptr<tfmg::upstream> up, const tfmg::pool_config& config)
-      : impl(std::move(up), config) {}
+  explicit tfmg_pool(std::unique_ptr<tfmg::upstream> up, const tfmg::pool_config& config, tfmg_upstream_kind kind)
+      : impl(std::move(up), config), upstream(kind) {}
   tfmg::pool impl;
+  tfmg_upstream_kind upstream;
 };
 
 namespace {
@@ -94,7 +95,12 @@ tfmg_status tfmg_pool_create(const tfmg_pool_options* o, tfmg_pool** out) {
   if (o->upstream == TFMG_UPSTREAM_HOST) {
     up = tfmg::make_host_upstream();
   } else if (o->upstream == TFMG_UPSTREAM_HOST_ON_DEMAND || o->upstream == TFMG_UPSTREAM_HOST_LAZY) {
-    up = tfmg::make_host_on_demand_upstream(o->upstream == TFMG_UPSTREAM_HOST_ON_DEMAND);
+    if (o->granule_bytes != 0 && ((o->granule_bytes & (o->granule_bytes - 1)) != 0 || o->granule_bytes < 4096 ||
+                                  o->granule_bytes > (uint64_t{1} << 30))) {
+      return fail(TFMG_ERROR_INVALID_ARGUMENT, "granule_bytes=" + std::to_string(o->granule_bytes) +
+                                                   ": must be 0 (the default) or a power of two from 4 KiB to 1 GiB");
+    }
+    up = tfmg::make_host_on_demand_upstream(o->upstream == TFMG_UPSTREAM_HOST_ON_DEMAND, o->granule_bytes);
   } else {
     std::string why;
     up = tfmg::make_cuda_upstream(o->device, o->upstream == TFMG_UPSTREAM_CUDA_MANAGED, &why);
@@ -108,7 +114,7 @@ tfmg_status tfmg_pool_create(const tfmg_pool_options* o, tfmg_pool** out) {
   }
   c.trim_above_peak = o->trim_above_peak < 0 ? up->default_trim_above_peak() : o->trim_above_peak;
   try {
-    *out = new tfmg_pool(std::move(up), c);
+    *out = new tfmg_pool(std::move(up), c, o->upstream);
   } catch (const std::bad_alloc&) {
     return fail(TFMG_ERROR_OUT_OF_MEMORY, "no memory to create the pool");
   }
@@ -228,10 +234,43 @@ tfmg_status tfmg_pool_trace_clear(tfmg_pool* p) {
   return TFMG_OK;
 }
 
+tfmg_status tfmg_pool_trace_start(tfmg_pool* p, uint64_t capacity) {
+  TFMG_EXPECT_POOL(p);
+  if (capacity > (uint64_t{1} << 28)) {
+    return fail(TFMG_ERROR_INVALID_ARGUMENT, "capacity=" + std::to_string(capacity) + ": at most 2**28 events");
+  }
+  p->impl.trace_start(capacity);
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_pool_live_blocks(tfmg_pool* p, tfmg_live_block* out, uint64_t capacity, uint64_t* count) {
+  TFMG_EXPECT_POOL(p);
+  if (count == nullptr || (out == nullptr && capacity != 0)) {
+    return fail(TFMG_ERROR_INVALID_ARGUMENT, "count must not be null, nor out with a capacity");
+  }
+  const auto all = p->impl.live_blocks();
+  const std::size_t n = std::min<std::size_t>(all.size(), capacity);
+  if (n != 0) std::memcpy(out, all.data(), n * sizeof(tfmg_live_block));
+  *count = capacity == 0 ? all.size() : n;
+  return TFMG_OK;
+}
+
 tfmg_status tfmg_pool_check(tfmg_pool* p) {
   TFMG_EXPECT_POOL(p);
   std::string why;
   if (!p->impl.is_valid(&why)) return fail(TFMG_ERROR_INVALID_STATE, "pool invariant broken: " + why);
+  return TFMG_OK;
+}
+
+tfmg_status tfmg_pool_get_layout(tfmg_pool* p, tfmg_pool_layout* out) {
+  TFMG_EXPECT_POOL(p);
+  if (out == nullptr) return fail(TFMG_ERROR_INVALID_ARGUMENT, "out must not be null");
+  out->alignment = p->impl.granule();
+  out->page_bytes = p->impl.source().page_size();
+  out->small_threshold = p->impl.small_threshold();
+  out->address_factor = p->impl.address_factor();
+  out->backs_on_demand = p->impl.source().backs_on_demand() ? 1 : 0;
+  out->upstream = p->upstream;
   return TFMG_OK;
 }
 

@@ -112,6 +112,10 @@ typedef struct tfmg_pool_options {
    * default, 0.04 on CUDA virtual memory (a reclaim there moves physical granules
    * without waiting for the device), 0 elsewhere. */
   double trim_above_peak;
+  /* Host upstreams backed on demand: the granule they back in (a power of two of at least
+   * a page; 0: 64 KiB, or TF_MEMGUARD_HOST_GRANULE). A replay of a GPU pool's step uses
+   * the GPU's 2 MiB. */
+  uint64_t granule_bytes;
 } tfmg_pool_options;
 
 /* Statistics. The first eight fields carry TensorFlow's names and meanings
@@ -132,6 +136,7 @@ typedef struct tfmg_stats {
   int64_t bytes_free;              /* bytes_reserved minus pooled bytes in use */
   int64_t largest_allocatable_bytes;/* largest request that could succeed now */
   int64_t num_regions;
+  int64_t blocks_in_use;           /* blocks handed out and not yet freed */
   int64_t passthrough_bytes_in_use;/* handed out before a budget was set */
   int64_t overshoot_bytes_in_use;  /* MUST_SUCCEED bytes granted over the budget */
   int64_t peak_overshoot_bytes;
@@ -193,6 +198,8 @@ typedef struct tfmg_trace_event {
   uint64_t size;     /* bytes (rounded block size; as asked for refusals) */
   uint64_t offset;   /* offset of the block within its region */
   uint64_t address;
+  uint32_t flags;    /* the request's TFMG_ALLOC_* flags (kind, batch tag, MUST_SUCCEED); frees: 0 */
+  uint32_t reserved;
 } tfmg_trace_event;
 
 typedef struct tfmg_pool tfmg_pool;
@@ -257,10 +264,39 @@ TFMG_API tfmg_status tfmg_pool_release_unused(tfmg_pool* pool, uint64_t* release
 TFMG_API tfmg_status tfmg_pool_trace(tfmg_pool* pool, tfmg_trace_event* events,
                                      uint64_t capacity, uint64_t* count, uint64_t* dropped);
 TFMG_API tfmg_status tfmg_pool_trace_clear(tfmg_pool* pool);
+/* Clears the trace and records from now on, keeping up to `capacity` events (0: stops
+ * recording; the events kept stay readable). For recording one training step. */
+TFMG_API tfmg_status tfmg_pool_trace_start(tfmg_pool* pool, uint64_t capacity);
+
+/* A block in use, as tfmg_pool_live_blocks lists it. */
+typedef struct tfmg_live_block {
+  uint64_t address;
+  uint64_t size;    /* rounded */
+  uint32_t flags;   /* its request's kind and batch tag; TFMG_ALLOC_MUST_SUCCEED for overshoot */
+  int32_t region;   /* -1 for overshoot (outside the regions) */
+  uint64_t offset;  /* within its region */
+} tfmg_live_block;
+/* The blocks in use under the budget (pooled and overshoot; not pass-through), in
+ * address order; *count gets how many there are (up to capacity are copied; capacity 0
+ * only counts). */
+TFMG_API tfmg_status tfmg_pool_live_blocks(tfmg_pool* pool, tfmg_live_block* out, uint64_t capacity,
+                                           uint64_t* count);
 
 /* Walks every invariant of the pool (expensive: O(blocks)). OK, or INVALID_STATE with
  * tfmg_last_error() naming the first broken invariant. */
 TFMG_API tfmg_status tfmg_pool_check(tfmg_pool* pool);
+
+/* How a pool places and backs blocks: what a replay of its steps needs to place them
+ * alike (tfmg_replay_step). */
+typedef struct tfmg_pool_layout {
+  uint64_t alignment;        /* the granule every block size is a multiple of */
+  uint64_t page_bytes;       /* regions' unit; where backed on demand, the backing granule */
+  uint64_t small_threshold;
+  uint64_t address_factor;
+  int32_t backs_on_demand;
+  int32_t upstream;          /* tfmg_upstream_kind */
+} tfmg_pool_layout;
+TFMG_API tfmg_status tfmg_pool_get_layout(tfmg_pool* pool, tfmg_pool_layout* out);
 
 /* The memory of the pool's device (host: physical memory or the cgroup limit). */
 TFMG_API uint64_t tfmg_pool_total_memory(tfmg_pool* pool);
@@ -321,6 +357,36 @@ typedef struct tfmg_replay_result {
   uint64_t completed;
   uint64_t failed_at;
 } tfmg_replay_result;
+
+/* A training step for tfmg_replay_step: an allocation of `size` with `flags` (its
+ * request's TFMG_ALLOC_* flags: MUST_SUCCEED requests become overshoot where they do not
+ * fit) stored in slots[slot], or, with TFMG_STEP_FREE in flags, a free of slots[slot]. */
+#define TFMG_STEP_FREE (1u << 31)
+typedef struct tfmg_step_op {
+  uint64_t size;
+  uint32_t slot;
+  uint32_t flags;
+} tfmg_step_op;
+
+typedef struct tfmg_step_result {
+  int32_t fits;                /* 1 when no request that can be refused was */
+  int32_t reserved;
+  uint64_t failed_at;          /* index of the first refused op, UINT64_MAX if none */
+  int64_t peak_bytes_reserved; /* the most the budget held (bytes backed, where on demand) */
+  int64_t peak_account;        /* the most pooled bytes in use plus overshoot */
+  int64_t peak_overshoot;      /* the most granted over the budget at once */
+  int64_t blocks_at_peak;      /* blocks in use when the account peaked */
+  int64_t large_blocks_at_peak;/* of them, at least the pool's small_threshold (placed low, each
+                                * with granules of its own at its ends) */
+  int64_t slack_at_peak;       /* bytes reserved beyond the account then (granules partly used) */
+} tfmg_step_result;
+
+/* Replays ops (a step, the blocks live at its start first) through a fresh pool made
+ * with `options` (its max_bytes the budget asked about), the pool's own placement and
+ * backing code, and stops at the first refusal. The upstream should back on demand
+ * (host_lazy: bookkeeping only, no memory is touched) or be plain host memory. */
+TFMG_API tfmg_status tfmg_replay_step(const tfmg_pool_options* options, const tfmg_step_op* ops, uint64_t count,
+                                      uint64_t slots, tfmg_step_result* result);
 
 TFMG_API tfmg_status tfmg_replay_pool(tfmg_pool* pool, const tfmg_replay_op* ops, uint64_t count,
                                       uint64_t slots, tfmg_replay_result* result);

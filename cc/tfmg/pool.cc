@@ -209,9 +209,25 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
   const std::size_t largest = largest_free_locked();  // for the window's tightest fit
   b = carve_locked(b, size, alignment, small);
   bool device_full = false;
-  if (backs_ && !back_block_locked(b, &device_full)) {
-    // The block goes back, and the request is refused.
+  if (backs_ && !back_block_locked(b, &device_full) && !device_full) {
+    // At the budget the best-fitting hole can need granules the budget has no room for
+    // while another lies in granules already backed, partly used by its neighbours
+    // (small blocks packed together leave such holes as they come and go): before
+    // refusing, the hole that needs the fewest new granules.
     free_block_locked(b);
+    bool low = false;
+    block* other = alignment == granule_ ? least_backing_fit_locked(size, &low) : nullptr;
+    b = other != nullptr ? carve_locked(other, size, alignment, !low) : nullptr;
+    if (b != nullptr && !back_block_locked(b, &device_full)) {
+      free_block_locked(b);
+      b = nullptr;
+    }
+  } else if (backs_ && device_full) {
+    free_block_locked(b);
+    b = nullptr;
+  }
+  if (b == nullptr) {
+    // The request is refused (or, if it must succeed, served over the budget).
     if (flags & TFMG_ALLOC_MUST_SUCCEED) {
       return allocate_direct_locked(size, alignment, true, flags, error);
     }
@@ -222,7 +238,7 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
     }
     return nullptr;
   }
-  if (largest - size < window_tight_slack_) {
+  if (largest >= size && largest - size < window_tight_slack_) {
     window_tight_slack_ = largest - size;
     window_tight_request_ = size;
     window_tight_largest_ = largest;
@@ -234,7 +250,8 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
   pooled_in_use_ += b->size;
   note_alloc_locked(b->size, b->batch, b->kind);
   if (trace_.enabled()) {
-    trace_.record(TFMG_TRACE_ALLOC, b->owner->index, b->size, b->addr - b->owner->base, b->addr);
+    trace_.record(TFMG_TRACE_ALLOC, b->owner->index, b->size, b->addr - b->owner->base, b->addr,
+                  flags & ~TFMG_ALLOC_QUIET);
   }
   return reinterpret_cast<void*>(b->addr);
 }
@@ -251,7 +268,7 @@ bool pool::back_block_locked(block* b, bool* device_full) {
   bool soft_only = false;  // a reclaim for the trim line alone, the budget not reached
   std::chrono::steady_clock::time_point reclaim_start;
   std::uint64_t syncs_before = 0;
-  if (need > 0) {
+  if (need > 0 || backed_ > budget) {  // over it already: overshoot, or a lowered budget
     // Over the budget, free granules must go first (or the request is refused, nothing
     // changed); over the trim line (trim_above_peak), they go if there are any.
     const std::size_t after = backed_ + need;
@@ -339,6 +356,45 @@ std::size_t pool::reclaim_locked(std::size_t bytes, bool dry_run) {
     }
   }
   return gone;
+}
+
+pool::block* pool::least_backing_fit_locked(std::size_t size, bool* low) {
+  // Free blocks large enough, smallest first (the exact lists, then the trees), each
+  // tried at its high end (where small blocks go) and its low end; at most
+  // kCandidates of them: this runs only at the budget, before a refusal.
+  constexpr int kCandidates = 256;
+  int seen = 0;
+  block* best = nullptr;
+  std::size_t best_need = SIZE_MAX;
+  auto consider = [&](block* f) {
+    const std::size_t hi = upstream_->unbacked(reinterpret_cast<void*>(f->addr + f->size - size), size);
+    const std::size_t lo = upstream_->unbacked(reinterpret_cast<void*>(f->addr), size);
+    if (std::min(hi, lo) < best_need) {
+      best_need = std::min(hi, lo);
+      best = f;
+      *low = lo < hi;
+    }
+    return best_need == 0 || ++seen >= kCandidates;
+  };
+  const std::size_t n = size >> granule_shift_;
+  if (n < kExact) {
+    for (std::size_t w = n / 64; w < kExactWords; ++w) {
+      std::uint64_t bits = list_bits_[w] & (w == n / 64 ? ~std::uint64_t{0} << (n % 64) : ~std::uint64_t{0});
+      while (bits != 0) {
+        const unsigned k = static_cast<unsigned>(__builtin_ctzll(bits));
+        bits &= bits - 1;
+        for (block* f = lists_[w * 64 + k]; f != nullptr; f = f->fnext) {
+          if (consider(f)) return best;
+        }
+      }
+    }
+  }
+  for (unsigned bin = bin_of(std::max(size, kExact << granule_shift_)); bin < kBins; ++bin) {
+    for (const free_key& k : bins_[bin]) {
+      if (k.size >= size && consider(k.b)) return best;
+    }
+  }
+  return best;
 }
 
 pool::block* pool::find_fit_locked(std::size_t size, std::size_t alignment, bool small) {
@@ -546,7 +602,7 @@ void* pool::allocate_direct_locked(std::size_t size, std::size_t alignment, bool
   note_alloc_locked(size, batch, kind);
   if (trace_.enabled()) {
     trace_.record(overshoot ? TFMG_TRACE_OVERSHOOT : TFMG_TRACE_ALLOC, -1, size, 0,
-                  reinterpret_cast<std::uintptr_t>(p));
+                  reinterpret_cast<std::uintptr_t>(p), flags & ~TFMG_ALLOC_QUIET);
   }
   return p;
 }
@@ -603,7 +659,7 @@ void pool::refuse_locked(std::size_t bytes, std::size_t alignment, unsigned flag
     last_refusal_.bytes_in_use_by_kind[k] = static_cast<std::int64_t>(in_use_by_kind_[k]);
     last_refusal_.overshoot_in_use_by_kind[k] = static_cast<std::int64_t>(overshoot_in_use_by_kind_[k]);
   }
-  if (trace_.enabled()) trace_.record(TFMG_TRACE_REFUSE, -1, bytes, 0, 0);
+  if (trace_.enabled()) trace_.record(TFMG_TRACE_REFUSE, -1, bytes, 0, 0, flags);
   error->status = TFMG_ERROR_OUT_OF_MEMORY;
   error->message = "cannot allocate " + format_bytes(bytes) + " (" + std::to_string(bytes) +
                    " bytes): " + state_locked() +
@@ -938,6 +994,7 @@ void pool::fill_stats_locked(tfmg_stats* s) const {
   s->bytes_free = static_cast<std::int64_t>(reserved_ - pooled_in_use_);  // address space where backs_
   s->largest_allocatable_bytes = static_cast<std::int64_t>(largest_allocatable_locked());
   s->num_regions = static_cast<std::int64_t>(regions_.size());
+  s->blocks_in_use = static_cast<std::int64_t>(live_.size() + direct_.size());
   s->passthrough_bytes_in_use = static_cast<std::int64_t>(passthrough_in_use_);
   s->overshoot_bytes_in_use = static_cast<std::int64_t>(overshoot_in_use_);
   s->peak_overshoot_bytes = static_cast<std::int64_t>(peak_overshoot_);
@@ -1047,6 +1104,32 @@ std::vector<tfmg_trace_event> pool::trace(std::uint64_t* dropped) const {
 void pool::trace_clear() {
   std::lock_guard<std::mutex> lock(mutex_);
   trace_.clear();
+}
+
+void pool::trace_start(std::size_t capacity) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  trace_.restart(capacity);
+}
+
+std::vector<tfmg_live_block> pool::live_blocks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<tfmg_live_block> out;
+  out.reserve(live_.size() + direct_.size());
+  live_.for_each([&out](std::uintptr_t, const block* b) {
+    out.push_back(tfmg_live_block{b->addr, b->size,
+                                  TFMG_ALLOC_KIND(b->kind) | (b->batch ? TFMG_ALLOC_BATCH : 0u),
+                                  b->owner->index, b->addr - b->owner->base});
+  });
+  for (const auto& d : direct_) {
+    if (!d.second.overshoot) continue;  // pass-through predates the budget
+    out.push_back(tfmg_live_block{d.first, d.second.size,
+                                  TFMG_ALLOC_KIND(d.second.kind) | TFMG_ALLOC_MUST_SUCCEED |
+                                      (d.second.batch ? TFMG_ALLOC_BATCH : 0u),
+                                  -1, 0});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const tfmg_live_block& a, const tfmg_live_block& b) { return a.address < b.address; });
+  return out;
 }
 
 // ---------------------------------------------------------------------------------

@@ -126,12 +126,16 @@ class pool {
 
   std::vector<tfmg_trace_event> trace(std::uint64_t* dropped) const;
   void trace_clear();
+  void trace_start(std::size_t capacity);  // cleared; recording up to capacity events (0: stop)
+  std::vector<tfmg_live_block> live_blocks() const;  // in use under the budget, by address
 
   // Walks every invariant; returns false with *why naming the first broken one.
   bool is_valid(std::string* why) const;
   std::string describe() const;
 
   const upstream& source() const { return *upstream_; }
+  std::size_t small_threshold() const { return small_threshold_; }
+  std::size_t address_factor() const { return address_factor_; }
   std::size_t granule() const { return granule_; }
 
  private:
@@ -207,6 +211,9 @@ class pool {
 
   // All _locked members require mutex_ held.
   block* find_fit_locked(std::size_t size, std::size_t alignment, bool small);
+  // Backed on demand, at the budget: the free block (of at least `size`) where a block of
+  // `size` needs the fewest granules newly backed, and whether at its low end.
+  block* least_backing_fit_locked(std::size_t size, bool* low);
   block* carve_locked(block* b, std::size_t size, std::size_t alignment, bool small);
   bool grow_locked(std::size_t size, std::size_t alignment);
   std::size_t release_unused_locked();

@@ -21,10 +21,10 @@ class trace_recorder {
   bool enabled() const { return capacity_ != 0; }
 
   void record(tfmg_trace_op op, int region, std::uint64_t size, std::uint64_t offset,
-              std::uint64_t address) {
+              std::uint64_t address, std::uint32_t flags = 0) {
     if (capacity_ == 0) return;
     tfmg_trace_event e{sequence_++, static_cast<std::uint32_t>(op), region, size, offset,
-                       address};
+                       address, flags, 0};
     if (events_.size() < capacity_) {
       events_.push_back(e);
     } else {
@@ -50,6 +50,19 @@ class trace_recorder {
     events_.clear();
     head_ = 0;
     dropped_ = 0;
+  }
+
+  // Cleared, and keeping up to `capacity` events from now on (0: off; the events
+  // recorded stay readable). Memory reserved once is kept: a recorder restarted at every
+  // training step allocates nothing after the first.
+  void restart(std::size_t capacity) {
+    if (capacity == 0) {
+      capacity_ = 0;
+      return;
+    }
+    clear();
+    capacity_ = capacity;
+    events_.reserve(capacity < 65536 ? capacity : 65536);
   }
 
  private:

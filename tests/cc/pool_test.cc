@@ -891,6 +891,58 @@ void test_a_budget_above_the_address_space_is_refused() {
   CHECK_OK(tfmg_pool_destroy(p, 0));
 }
 
+// Under ThreadSanitizer in CI: allocators, a reader of the statistics and the trace, and a
+// thread changing the budget, on a pool backed on demand, with requests that cannot be
+// refused among them. The pool stays valid, and within its budget whenever it is read.
+void test_threads_read_allocate_and_change_the_budget_of_a_pool_backed_on_demand() {
+  tfmg_pool* p = make_on_demand_pool(64 * MiB);
+  CHECK_OK(tfmg_pool_trace_start(p, 4096));
+  std::atomic<bool> stop{false};
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(100 + t);
+      std::vector<void*> mine;
+      for (int i = 0; i < 20000; ++i) {
+        if (mine.size() < 32 && (mine.empty() || rng() % 2)) {
+          const uint32_t flags = (rng() % 8 == 0 ? TFMG_ALLOC_MUST_SUCCEED : 0u) | TFMG_ALLOC_KIND(rng() % TFMG_NUM_KINDS);
+          void* x = alloc_flags(p, 64 + rng() % (2 * MiB), flags);
+          if (x != nullptr) mine.push_back(x);
+        } else {
+          const size_t k = rng() % mine.size();
+          if (tfmg_pool_deallocate(p, mine[k], nullptr) != TFMG_OK) failures++;
+          mine[k] = mine.back();
+          mine.pop_back();
+        }
+      }
+      for (void* x : mine) tfmg_pool_deallocate(p, x, nullptr);
+    });
+  }
+  threads.emplace_back([&] {
+    while (!stop) {
+      tfmg_stats s;
+      tfmg_pool_get_stats(p, &s);
+      if (s.bytes_reserved > s.bytes_limit) failures++;
+      uint64_t n = 0;
+      tfmg_pool_live_blocks(p, nullptr, 0, &n);
+      tfmg_pool_trace(p, nullptr, 0, &n, nullptr);
+    }
+  });
+  threads.emplace_back([&] {
+    std::mt19937 rng(7);
+    while (!stop) tfmg_pool_set_limit(p, (32 + rng() % 64) * MiB);
+  });
+  for (int t = 0; t < 4; ++t) threads[t].join();
+  stop = true;
+  threads[4].join();
+  threads[5].join();
+  CHECK(failures == 0);
+  CHECK(valid(p));
+  CHECK(stats(p).bytes_in_use == 0);
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
 int main() {
   struct test {
     const char* name;
@@ -927,6 +979,8 @@ int main() {
       {"lowering_a_budget_backed_on_demand_gives_back_free_granules",
        test_lowering_a_budget_backed_on_demand_gives_back_free_granules},
       {"a_budget_above_the_address_space_is_refused", test_a_budget_above_the_address_space_is_refused},
+      {"threads_read_allocate_and_change_the_budget_of_a_pool_backed_on_demand",
+       test_threads_read_allocate_and_change_the_budget_of_a_pool_backed_on_demand},
   };
   int passed = 0, failed = 0;
   for (const test& t : tests) {
