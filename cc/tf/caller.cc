@@ -28,12 +28,14 @@ struct rule {
 };
 
 const rule kRules[] = {
-    // Tensor::FromProto returns false when its buffer cannot be allocated; its callers
-    // (ConstantOp's constructor, ThreadPoolDevice::MakeTensorFromProto, Grappler's attr
-    // hashing and comparisons) check it. ConstantOp then fails with InvalidArgument
-    // "Cannot parse tensor from proto", constant folding skips that node
-    // (GraphOptimizer ignores ConstantFold's error).
-    {"_ZN10tensorflow6Tensor9FromProto", TFMG_KIND_CONSTANT, true},
+    // A constant kernel's tensor, made from its proto (Tensor::FromProto, which returns
+    // false when its buffer cannot be allocated): ConstantOp's constructor fails with
+    // InvalidArgument "Cannot parse tensor from proto" and the function is not built
+    // (MemGuardCallback turns that into its out-of-memory error); in constant folding,
+    // that node is not folded (GraphOptimizer ignores ConstantFold's error). Other callers
+    // of FromProto are not refused: graph construction's shape inference turns the failure
+    // into Python's ValueError "Unable to evaluate a constant node".
+    {"10ConstantOpC", TFMG_KIND_CONSTANT, true},
     // tf.data's batching checks IsInitialized() and returns ResourceExhausted
     // ("Failed to allocate memory for the batch of component ...").
     {"4data9CopyBatch", TFMG_KIND_DATA, true},
@@ -71,6 +73,7 @@ int priority(unsigned kind) {
 struct frame_class {
   bool named = false;
   bool onednn = false;
+  bool leaks = false;
   int rule = kNoRule;
 };
 
@@ -81,6 +84,7 @@ frame_class classify_frame(void* pc) {
   c.named = true;
   const char* name = info.dli_sname;
   c.onednn = std::strstr(name, "Mkl") != nullptr || std::strstr(name, "dnnl") != nullptr;
+  c.leaks = std::strstr(name, "15DatasetOpKernel7Compute") != nullptr;
   for (int i = 0; i < static_cast<int>(sizeof kRules / sizeof kRules[0]); ++i) {
     if (std::strstr(name, kRules[i].needle) != nullptr) {
       c.rule = i;
@@ -142,6 +146,7 @@ caller classify_caller(unsigned fallback) {
   for (int i = 1; i < n; ++i) {
     const frame_class c = cache().get(frames[i]);
     out.onednn = out.onednn || c.onednn;
+    out.leaks_on_refusal = out.leaks_on_refusal || c.leaks;
     if (!c.named) continue;
     ++named;
     if (c.rule == kNoRule) continue;

@@ -19,6 +19,11 @@ struct caller {
   unsigned kind = 0;       // TFMG_KIND_* of the path (TENSOR or RAW when none is known)
   bool refusable = false;  // the path turns a null into an error status, and goes on
   bool onednn = false;     // a oneDNN (Mkl*) kernel is on the stack
+  // A kernel that loses what it made when its output cannot be allocated: tf.data's
+  // DatasetOpKernel::Compute makes the dataset (holding its input tensors) before it
+  // allocates the scalar that would own it, and leaks it on a refusal (seen with TF
+  // 2.21: a 469 MiB copy of fit()'s arrays stayed in use for the rest of the process).
+  bool leaks_on_refusal = false;
 };
 
 // `fallback`: the kind when no frame names a known path (TFMG_KIND_TENSOR for 3-argument

@@ -174,8 +174,14 @@ class pool_allocator final : public tsl::Allocator {
 
   void* serve_kernel(size_t alignment, size_t num_bytes) {
     const uint32_t tag = batch_tag() | TFMG_ALLOC_KIND(TFMG_KIND_KERNEL);
-    void* p = allocate(alignment, num_bytes, tag);
-    if (p != nullptr || !classify_caller(TFMG_KIND_KERNEL).onednn) return p;
+    void* p = allocate(alignment, num_bytes, tag | TFMG_ALLOC_QUIET);
+    if (p != nullptr) return p;
+    const caller who = classify_caller(TFMG_KIND_KERNEL);
+    if (who.leaks_on_refusal) {
+      // A dataset's scalar handle: tiny, and refusing it leaks the dataset (caller.h).
+      return allocate(alignment, num_bytes, TFMG_ALLOC_MUST_SUCCEED | TFMG_ALLOC_KIND(TFMG_KIND_DATA));
+    }
+    if (!who.onednn) return allocate(alignment, num_bytes, tag);  // refused, and recorded
     p = allocate(alignment, num_bytes, TFMG_ALLOC_MUST_SUCCEED | tag);
     static std::atomic<bool> warned{false};
     if (p != nullptr && !warned.exchange(true)) {
