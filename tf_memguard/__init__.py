@@ -28,7 +28,7 @@ from tf_memguard._install import (
     reset_peak,
     stats,
 )
-from tf_memguard._advisor import find_batch_size
+from tf_memguard._find import find_batch_size
 from tf_memguard._report import Report, report
 from tf_memguard._units import format_bytes, parse_bytes
 

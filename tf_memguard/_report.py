@@ -42,6 +42,9 @@ class Report:
         oom: the out-of-memory explanation, if the run failed for lack of memory.
         process_peak_rss_bytes: the process's peak resident memory (all of it: tensors,
             the framework's own buffers outside its allocator, Python).
+        memory_model: the memory model of the run's training step (a StepModel as a
+            dict), for `python -m tf_memguard what-if`; None when none was made.
+        samples: the training samples, when known (no batch is larger).
     """
 
     device: str = "CPU:0"
@@ -59,6 +62,26 @@ class Report:
     leak: str = "too few epochs to tell"
     oom: str = None
     process_peak_rss_bytes: int = 0
+    memory_model: dict = None
+    samples: int = None
+
+    def model(self):
+        """The StepModel saved in the report, or None."""
+        if not self.memory_model:
+            return None
+        from tf_memguard._memory_model import StepModel, StepModels
+        if "models" in self.memory_model:
+            return StepModels.from_dict(self.memory_model)
+        return StepModel.from_dict(self.memory_model)
+
+    @classmethod
+    def from_json(cls, path):
+        """A report written by to_json(path)."""
+        with open(path) as f:
+            d = json.load(f)
+        d["epochs"] = [EpochRecord(**e) for e in d.get("epochs", [])]
+        d["steps"] = [tuple(s) for s in d.get("steps", [])]
+        return cls(**{k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(cls)}})
 
     def __str__(self):
         budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none (counting only)"
@@ -78,7 +101,7 @@ class Report:
                      f"{self.refusals} refused")
         over = {k: v for k, v in self.overshoot_bytes_by_kind.items() if v}
         if over:
-            lines.append("granted over the budget (requests TensorFlow cannot survive a refusal of): " +
+            lines.append("granted over the budget (requests that cannot be refused): " +
                          ", ".join(f"{k} {format_bytes(v)}" for k, v in over.items()))
         if self.predating_bytes:
             lines.append(f"allocated before the budget was set: {format_bytes(self.predating_bytes)}")
@@ -86,6 +109,8 @@ class Report:
             now = f" (now {self.batch_size})" if self.batch_size else ""
             lines.append(f"batch size that fits the budget: {self.suggested_batch_size}{now}, "
                          f"from {self.suggestion_method}")
+        elif self.suggested_batch_size == 0:
+            lines.append(f"no batch size fits the budget, by {self.suggestion_method}")
         lines.append(f"leak check: {self.leak}")
         if self.process_peak_rss_bytes:
             lines.append(f"process peak resident memory: {format_bytes(self.process_peak_rss_bytes)} (the budget "

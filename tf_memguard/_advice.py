@@ -1,0 +1,93 @@
+"""Batch-size advice, all from one memory model of the training step (_memory_model).
+
+The near-budget warning, the report's suggestion, the out-of-memory note, find_batch_size
+and the what-if all ask the same question of a StepModel: the largest batch size whose
+step, replayed through the pool's own code from the blocks live at its start, fits the
+budget. When not even a batch of 1 fits, they say so, and which budget would.
+"""
+import dataclasses
+
+from tf_memguard._units import format_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Suggestion:
+    """A batch size that fits a budget, by the memory model, and how it was found.
+
+    Attributes:
+        batch_size: the largest batch size whose step fits; 0 when not even 1 does.
+        budget_bytes: the budget it fits.
+        predicted_peak_bytes: the model's peak (pooled bytes plus overshoot) at batch_size.
+        method: how the model was made ("2 steps recorded (batch sizes 64 and 32)", ...).
+        one_sample_bytes: when none fits, the budget a batch of 1 would need (else 0).
+        running_bytes: the budget the running batch size would need, when known (else 0).
+    """
+
+    batch_size: int
+    budget_bytes: int
+    predicted_peak_bytes: int
+    method: str
+    one_sample_bytes: int = 0
+    running_bytes: int = 0
+
+    @property
+    def fits_none(self):
+        return self.batch_size == 0
+
+
+def suggest(model, budget, running=None, at_most=None, method=""):
+    """The Suggestion of `model` (a StepModel) for `budget` bytes; `running`: the batch
+    size in use (its budget is worked out too when it does not fit); `at_most`: the
+    samples there are (no batch is larger)."""
+    size = model.largest_fitting(budget, at_most=at_most)
+    peak = model.need(size)["peak_account"] if size else 0
+    one = model.budget_for(1) if size == 0 else 0
+    now = model.budget_for(running) if running and (size == 0 or size < running) else 0
+    return Suggestion(batch_size=int(size), budget_bytes=int(budget), predicted_peak_bytes=int(peak),
+                      method=method, one_sample_bytes=int(one), running_bytes=int(now))
+
+
+def advice_sentence(s, running):
+    """What to do, in a sentence or two (the end of the OOM note and of the warning)."""
+    now = f" (now {running})" if running else ""
+    if s.fits_none:
+        text = (f"No batch size fits the {format_bytes(s.budget_bytes)} budget: even a batch of 1 needs about "
+                f"{format_bytes(s.one_sample_bytes)} for what the step holds whatever its batch size (weights, "
+                f"optimizer state, copies of the data, fixed workspaces). Pass max_bytes of at least "
+                f"{format_bytes(s.one_sample_bytes)} to tf_memguard.install()")
+        if s.running_bytes:
+            text += f", or about {format_bytes(s.running_bytes)} for the batch size of {running}"
+        return text + "."
+    if running and s.batch_size < running:
+        text = f"Reduce the batch size to {s.batch_size}{now}, or pass a larger max_bytes to tf_memguard.install()"
+        if s.running_bytes:
+            text += f" (about {format_bytes(s.running_bytes)} for {running})"
+        return text + "."
+    return f"A batch size of up to {s.batch_size}{now} fits."
+
+
+def what_if(model, budget, sizes=None, at_most=None):
+    """Rows (batch size, predicted peak bytes, fits) for `budget`, and the largest that fits.
+
+    `sizes`: the batch sizes to tabulate (default: powers of two around the recorded one,
+    and the largest that fits)."""
+    largest = model.largest_fitting(budget, at_most=at_most)
+    if sizes is None:
+        base = model.base_batch
+        sizes = sorted({max(1, base // 4), max(1, base // 2), base, base * 2, base * 4, base * 8} |
+                       ({largest} if largest else set()))
+    rows = []
+    for b in sizes:
+        need = model.need(b)
+        rows.append((int(b), int(need["peak_account"]), bool(model.fits(b, budget))))
+    return rows, int(largest)
+
+
+def format_what_if(rows, largest, budget):
+    lines = [f"batch size  predicted peak  fits {format_bytes(budget)}", "-" * 40]
+    for b, peak, ok in rows:
+        lines.append(f"{b:>10}  {format_bytes(peak):>14}  {'yes' if ok else 'no'}")
+    lines.append("-" * 40)
+    lines.append(f"largest batch size that fits: {largest}" if largest else
+                 "no batch size fits: even a batch of 1 needs more")
+    return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""find_batch_size(): the largest batch size that fits, from the memory model of two
+recorded steps of fit(), without a full run."""
+from tf_memguard import _backend, _core, _install
+from tf_memguard._memory_model import StepModel
+from tf_memguard._recording import Snapshot, StepRecorder, abort_all, fit_steps
+from tf_memguard._units import format_bytes, parse_bytes
+
+
+def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, start=None):
+    """The largest batch size whose training step fits the budget, by the memory model.
+
+    Two short runs of fit() (two steps each: the first traces the step for its batch size,
+    the second is recorded as the pool sees it, with fit()'s own pipeline and copy of the
+    data) at two batch sizes: a small one (`start`, default 32 or fewer samples), then
+    where the first says the limit is. Every block of the step becomes a line in the batch
+    size, and the step scaled to a candidate size is replayed through the pool's own code
+    (benchmarks/NOTES.md, "How the advice works"); the answer is the largest size whose
+    replay fits. The model's weights and optimizer state are restored exactly afterwards;
+    its metrics are reset.
+
+    Args:
+        model: a compiled Keras model.
+        x: the training inputs (arrays, or a structure of arrays, as for fit()).
+        y: the targets. Defaults to None.
+        max_bytes: the budget to fit, as for install(). Defaults to the installed one.
+        device: Defaults to the device install() was called for (else "CPU:0" on
+            TensorFlow, "GPU:0" on Keras' torch backend).
+        steps: the most training steps to run (2 per batch size tried, at least 2).
+            Defaults to 4.
+        start: the first batch size tried. Defaults to 32 (or fewer samples).
+
+    Returns:
+        The batch size (an int).
+
+    Raises:
+        ValueError: the model is not compiled, there is no budget, or x is empty.
+        tf_memguard.OutOfBudgetError: not even the first batch size tried fits; the
+            message says which budget would.
+
+    Example:
+        >>> tf_memguard.install(max_bytes="1GiB")
+        >>> size = tf_memguard.find_batch_size(model, x_train, y_train)
+        >>> model.fit(x_train, y_train, batch_size=size)
+    """
+    import keras
+    if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
+        raise ValueError("find_batch_size(model=...): compile the model first (model.compile(...))")
+    n = min(len(a) for a in keras.tree.flatten(x))
+    if n < 1:
+        raise ValueError("find_batch_size(x=...): x holds no samples")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"find_batch_size(steps={steps!r}): must be an int of at least 2")
+    device = _install.resolve_device(device)
+    pool = _install.device_pool(device)
+    installed = _install.config(device)
+    if max_bytes is None and installed is None:
+        raise ValueError("find_batch_size(max_bytes=None): no budget to fit; pass max_bytes or call "
+                         "tf_memguard.install() first")
+    budget = installed.max_bytes if max_bytes is None else parse_bytes(max_bytes, pool.total_memory())
+    if installed is None:
+        _install.install(budget, device)
+    previous = pool.stats()["bytes_limit"]
+    if budget != previous:
+        pool.set_limit(budget)
+    snapshot = Snapshot(model)
+    recorder = StepRecorder(pool)
+    try:
+        b1 = min(int(start) if start else 32, n)
+        first = fit_steps(model, x, y, b1, recorder)
+        snapshot.restore()
+        if first is None or not first.complete:
+            m = StepModel.build(first, None) if first is not None else None
+            need = f"; it needs more than {format_bytes(m.need(b1)['peak_account'])}" if m else ""
+            raise _core.OutOfBudgetError(f"find_batch_size: not even a batch of {b1} fits the {format_bytes(budget)} "
+                                         f"budget with this data{need}; pass a larger max_bytes or a smaller start")
+        m = StepModel.build(first, None)
+        size = m.largest_fitting(budget, at_most=n)
+        if steps >= 4 and size > b1:
+            second = fit_steps(model, x, y, size, recorder)
+            snapshot.restore()
+            if second is not None and second.complete:
+                m = StepModel.build(second, first)
+            elif second is not None:
+                m = StepModel.build(first, second)
+            size = m.largest_fitting(budget, at_most=n)
+    finally:
+        abort_all()
+        snapshot.restore()
+        if hasattr(model, "reset_metrics"):
+            model.reset_metrics()
+        if budget != previous and previous:
+            pool.set_limit(previous)
+    return max(1, int(size))

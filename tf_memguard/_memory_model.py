@@ -1,0 +1,497 @@
+"""A model of one training step's memory: does batch size B fit budget M?
+
+What the pool sees of a step is its allocation events, in order, with each block's size,
+what asked for it (its kind) and, while profiling, whether its first dimension is the
+batch size (TensorFlow's kernels announce their shapes; the plugin tags those blocks).
+Here every block becomes a line in the batch size:
+
+- a block tagged batch-shaped is proportional to the batch (exact for a tensor whose
+  first dimension is the batch);
+- an untagged block is matched against a second recorded step at another batch size:
+  the same size in both is fixed (weights' gradients, optimizer updates, workspaces of
+  a fixed size); blocks that changed are paired by rank within their kind, and their
+  line goes through both sizes;
+- a block left without a partner is only known to lie between fixed and proportional:
+  the model takes whichever needs more at the size asked about (proportional above the
+  recorded size, fixed below it).
+
+To ask whether B fits M, the step scaled to B is replayed through the pool's own code
+(tfmg_replay_step: the same best fit, placement, granule backing and budget account,
+on bookkeeping alone), starting from the blocks live at the step's start (weights,
+optimizer slots, Keras' copy of the data, batches prepared ahead). The largest B that
+fits is a bisection of replays. What one recorded step cannot show, how much higher
+other steps of the same run peak (which prepared batches meet a step's peak is thread
+timing), is measured as the `spread`: the highest peak fit() showed at the recorded size
+less the replay's own peak there, kept free in every replay (the template is the highest
+of the steps recorded, so the spread covers only steps that were not). What the recorded
+order of allocations cannot show either is another order's layout: where the pool backs
+memory in granules (64 KiB on host, 2 MiB on a GPU), a large block (placed at the low end,
+apart from the small ones packed at the top) can leave a granule at its end partly used
+that no neighbour shares, so each large block live at the step's peak is allowed one
+granule more than the replay gave it (the README's CNN at 233 samples under 128 MiB:
+14 such blocks, 0.9 MiB; the replay's own order fitted with 0.3 MiB to spare, and one run
+of two ran out by a granule), and at least LAYOUT_SLACK of the budget is kept free for
+the fragmentation of a long run's pool, which a replay from the step's start cannot show.
+"""
+import dataclasses
+
+import numpy as np
+
+from tf_memguard import _core
+
+_KIND_SHIFT = _core.ALLOC_KIND_SHIFT
+# The share of the budget a replay keeps free for the layout a long run leaves: a replay
+# starts from the blocks live at the step's start, packed, where a run's pool has been
+# through thousands of steps, and many small blocks (recurrent models' time steps) leave
+# granules partly used. Measured at the edge (benchmarks/NOTES.md, "The layout a run
+# leaves"): runs that ran out at sizes whose replay fitted needed 0.4-1.7% of the budget
+# more (the zoo's BiLSTM under 48 MiB: 0.8 MiB, its GRU under 72 MiB: 0.5 MiB, the
+# README's CNN under 128 MiB: 0.6 MiB).
+LAYOUT_SLACK = 0.02
+_BATCH = _core.ALLOC_BATCH
+_MUST = _core.ALLOC_MUST_SUCCEED
+KINDS = _core.KINDS
+# Trace ops (tfmg_trace_op).
+_ALLOC, _FREE, _REFUSE, _OVERSHOOT = 0, 1, 2, 3
+
+
+def kind_of(flags):
+    return (np.asarray(flags, dtype=np.uint32) >> _KIND_SHIFT) & 15
+
+
+@dataclasses.dataclass
+class StepTrace:
+    """One training step as the pool saw it.
+
+    Attributes:
+        batch_size: the step's batch size.
+        start_size, start_flags: the blocks live when the step began (address order).
+        start_address: their addresses (to pair the step's frees of them).
+        op, size, address, flags: the step's events (tfmg_trace_op, bytes, address,
+            TFMG_ALLOC_* flags), oldest first.
+        complete: False when the step was refused partway (the events end at the refusal).
+        observed_peak: the highest account (pooled bytes in use plus overshoot) measured
+            over fit()'s steps at this batch size, or 0 when unknown.
+        layout: the pool's layout (tf_memguard.Pool.layout()), for the replay.
+    """
+
+    batch_size: int
+    start_size: np.ndarray
+    start_flags: np.ndarray
+    start_address: np.ndarray
+    op: np.ndarray
+    size: np.ndarray
+    address: np.ndarray
+    flags: np.ndarray
+    complete: bool = True
+    observed_peak: int = 0
+    layout: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def capture_start(cls, pool):
+        """The live blocks now: call at the step's start, then pool.trace_start()."""
+        return pool.live_blocks()
+
+    @classmethod
+    def from_pool(cls, pool, live, batch_size, complete=True):
+        """The step recorded since `live` was taken and the trace started."""
+        t = pool.trace_arrays()
+        if t["dropped"]:
+            raise ValueError(f"the step's trace lost {t['dropped']} events (trace capacity too small)")
+        return cls(batch_size=int(batch_size), start_size=live["size"].astype(np.uint64),
+                   start_flags=live["flags"].astype(np.uint32), start_address=live["address"].astype(np.uint64),
+                   op=t["op"].astype(np.uint32), size=t["size"].astype(np.uint64),
+                   address=t["address"].astype(np.uint64), flags=t["flags"].astype(np.uint32),
+                   complete=complete, layout=pool.layout())
+
+    # -- the step as replay ops --------------------------------------------------------
+
+    def allocations(self):
+        """Indices of the events that ask for memory (allocations, overshoot, the refusal)."""
+        return np.flatnonzero(self.op != _FREE)
+
+    def to_dict(self):
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d):
+        arrays = {"start_size": np.uint64, "start_flags": np.uint32, "start_address": np.uint64,
+                  "op": np.uint32, "size": np.uint64, "address": np.uint64, "flags": np.uint32}
+        return cls(**{k: (np.asarray(v, dtype=arrays[k]) if k in arrays else v) for k, v in d.items()})
+
+
+def _match(template, other, fixed_kinds=(), fixed_sizes=()):
+    """Per allocation of `template`, its line in the batch size, as two bounds:
+    (fixed_lo, slope_lo, fixed_hi, slope_hi). A block with one line has both bounds alike.
+
+    With `other` (a step at another batch size), per kind of block:
+    - a block tagged batch-shaped whose size scaled to the other batch size is there too is
+      proportional (a tensor with the batch as first dimension);
+    - an untagged block whose exact size is there too is fixed;
+    - the rest of both steps (untagged blocks that changed, and tagged ones that did not
+      scale: workspaces that TensorFlow caps, such as convolution backprop's, are tagged at a
+      small batch and stop growing at a large one) are paired by rank, and each pair's line
+      goes through both sizes (the sum of the pairs' sizes is right at both batch sizes,
+      whatever the pairing; the largest with the largest).
+    What stays unmatched: a tagged block is proportional; an untagged one lies between fixed
+    (lo: its size) and proportional (hi: through the origin), unless its kind is one of
+    `fixed_kinds` or its size one of `fixed_sizes` (then fixed: the sizes of blocks live at
+    the step's start that do not scale, the weights and optimizer slots, of which gradients
+    and updates are copies)."""
+    idx = template.allocations()
+    size = template.size[idx].astype(np.float64)
+    flags = template.flags[idx]
+    bt = float(template.batch_size)
+    align = float(max(int(template.layout.get("alignment", 64)), 1))
+    tagged = (flags & _BATCH) != 0
+    kinds = kind_of(flags)
+    fixed_lo = np.where(tagged, 0.0, size)
+    slope_lo = np.where(tagged, size / bt, 0.0)
+    fixed_hi = np.zeros_like(size)
+    slope_hi = size / bt
+    done = np.zeros(len(size), dtype=bool)
+
+    def line(i, fixed, slope):
+        fixed_lo[i], slope_lo[i], fixed_hi[i], slope_hi[i] = fixed, slope, fixed, slope
+        done[i] = True
+
+    if other is not None and other.batch_size != template.batch_size:
+        bo = float(other.batch_size)
+        oi = other.allocations()
+        o_size = other.size[oi].astype(np.float64)
+        o_kind = kind_of(other.flags[oi])
+        for k in np.unique(kinds):
+            counts = {}
+            for v in o_size[o_kind == k].tolist():
+                counts[v] = counts.get(v, 0) + 1
+
+            def take(v):
+                if counts.get(v, 0) > 0:
+                    counts[v] -= 1
+                    return True
+                return False
+
+            mine = np.flatnonzero(kinds == k)
+            rest = []
+            for i in mine:
+                if tagged[i]:
+                    scaled = np.ceil(size[i] * bo / bt / align) * align
+                    if take(scaled) or take(scaled - align) or take(scaled + align):
+                        line(i, 0.0, size[i] / bt)
+                        continue
+                elif take(size[i]):
+                    line(i, size[i], 0.0)
+                    continue
+                rest.append(i)
+            left = sorted(v for v, c in counts.items() for _ in range(c))
+            rest.sort(key=lambda i: size[i])
+            m = min(len(rest), len(left))
+            for i, v in zip(rest[len(rest) - m:], left[len(left) - m:]):
+                slope = max((size[i] - v) / (bt - bo), 0.0)
+                fixed = size[i] - slope * bt
+                if fixed < 0:  # a line below the origin: proportional (never less)
+                    fixed, slope = 0.0, size[i] / bt
+                line(i, fixed, slope)
+    known = set(float(v) for v in fixed_sizes)
+    for i in np.flatnonzero(~done & ~tagged):
+        if kinds[i] in fixed_kinds or size[i] in known:
+            line(i, size[i], 0.0)
+    return fixed_lo, slope_lo, fixed_hi, slope_hi
+
+
+@dataclasses.dataclass
+class StepModel:
+    """Every block of a step as a line in the batch size, replayed through the pool.
+
+    Made by StepModel.build(); the blocks live at the start and the step's events may come
+    from different recorded steps (after an out-of-memory error, the failed step's start in
+    fit() and a complete lone step)."""
+
+    start_fixed: np.ndarray
+    start_slope: np.ndarray
+    start_flags: np.ndarray
+    ev_alloc: np.ndarray      # per event: True for an allocation
+    ev_slot: np.ndarray
+    ev_flags: np.ndarray
+    ev_fixed_lo: np.ndarray   # per event (allocations; 0 for frees): the line below the
+    ev_lo: np.ndarray         # recorded batch size (fixed bytes, slope)...
+    ev_fixed_hi: np.ndarray   # ... and above it
+    ev_hi: np.ndarray
+    nslots: int
+    base_batch: int           # the batch size the events were recorded at
+    layout: dict
+    spread_bytes: int = 0     # kept free: how much higher fit()'s steps peaked
+    complete: bool = True
+
+    @classmethod
+    def build(cls, template, other=None, start=None, observed_peak=None, first=False):
+        """The model of `template`'s step (complete), its untagged blocks' slopes from
+        `other`, starting from `start`'s live blocks (default: template's own), and the
+        spread from `observed_peak` (default: template.observed_peak).
+        `first`: the template is a run's first step, which traces the step's function: its
+        blocks made outside kernels that no second step explains (graph optimization's
+        constants and copies, tf.data's set-up) are taken as fixed, where a steady step's
+        would be bounded (the batch-shaped ones among them are made by kernels, tagged)."""
+        start = start or template
+        fixed_kinds = [KINDS.index(k) for k in ("constant", "copy", "tensor", "raw", "data", "input")] if first else ()
+        weights = start.start_size[(start.start_flags & _BATCH) == 0]
+        # Blocks of 64 KiB and more: small sizes recur everywhere (scalars, shapes).
+        fixed_lo, lo, fixed_hi, hi = _match(template, other, fixed_kinds, weights[weights >= 1 << 16])
+        bs = float(start.batch_size)
+        start_flags = start.start_flags
+        s_size = start.start_size.astype(np.float64)
+        s_tag = (start_flags & _BATCH) != 0
+        start_fixed = np.where(s_tag, 0.0, s_size)
+        start_slope = np.where(s_tag, s_size / bs, 0.0)
+        # Events as replay ops: start blocks take slots 0..n-1, each allocation a new slot,
+        # a free the slot its address holds (frees of blocks from before the start or
+        # outside the trace are dropped).
+        n_start = len(s_size)
+        where = {int(a): i for i, a in enumerate(start.start_address.tolist())} if start is template else {}
+        alloc_idx = template.allocations()
+        per_alloc = {int(i): j for j, i in enumerate(alloc_idx.tolist())}
+        nslots = n_start
+        ev_alloc, ev_slot, ev_flags, ev_flo, ev_lo, ev_fhi, ev_hi = [], [], [], [], [], [], []
+        for i, (op, addr, flags) in enumerate(zip(template.op.tolist(), template.address.tolist(),
+                                                  template.flags.tolist())):
+            if op == _FREE:
+                slot = where.pop(addr, None)
+                if slot is None:
+                    continue
+                ev_alloc.append(False), ev_slot.append(slot), ev_flags.append(0)
+                ev_flo.append(0.0), ev_lo.append(0.0), ev_fhi.append(0.0), ev_hi.append(0.0)
+                continue
+            j = per_alloc[i]
+            slot = nslots
+            nslots += 1
+            if op != _REFUSE and addr:
+                where[addr] = slot
+            # A refused request was one that could be refused; overshoot could not.
+            f = (flags | _MUST) if op == _OVERSHOOT else (flags & ~_MUST if op == _REFUSE else flags)
+            ev_alloc.append(True), ev_slot.append(slot), ev_flags.append(f)
+            ev_flo.append(fixed_lo[j]), ev_lo.append(lo[j]), ev_fhi.append(fixed_hi[j]), ev_hi.append(hi[j])
+        model = cls(start_fixed=start_fixed, start_slope=start_slope, start_flags=start_flags.copy(),
+                    ev_alloc=np.array(ev_alloc, dtype=bool), ev_slot=np.array(ev_slot, dtype=np.uint32),
+                    ev_flags=np.array(ev_flags, dtype=np.uint32), ev_fixed_lo=np.array(ev_flo),
+                    ev_lo=np.array(ev_lo), ev_fixed_hi=np.array(ev_fhi), ev_hi=np.array(ev_hi), nslots=nslots,
+                    base_batch=int(template.batch_size), layout=dict(template.layout),
+                    complete=bool(template.complete))
+        peak = template.observed_peak if observed_peak is None else observed_peak
+        if peak:
+            replayed = model.need(template.batch_size)["peak_account"]
+            model.spread_bytes = int(max(0, peak - replayed))
+        return model
+
+    # -- sizes and replays ---------------------------------------------------------------
+
+    def _ops(self, batch_size):
+        """The replay's ops at `batch_size`: the blocks live at the start, then the step.
+        Returns (sizes, slots, flags, nslots)."""
+        b = float(batch_size)
+        # Above the recorded size the bound that needs more is the proportional one, below
+        # it the fixed one.
+        fixed, slope = (self.ev_fixed_hi, self.ev_hi) if b >= self.base_batch else (self.ev_fixed_lo, self.ev_lo)
+        align = max(int(self.layout.get("alignment", 64)), 1)
+        ev = np.where(self.ev_alloc, np.maximum(fixed + slope * b, 1.0), 0.0)
+        st = np.maximum(self.start_fixed + self.start_slope * b, 1.0)
+        sizes = (np.ceil(np.concatenate([st, ev]) / align) * align).astype(np.uint64)
+        # Start blocks keep their flags (MUST_SUCCEED for overshoot): they exist whatever
+        # the budget; they are allocated first, as what the step finds live.
+        slots = np.concatenate([np.arange(len(st), dtype=np.uint32), self.ev_slot])
+        flags = np.concatenate([self.start_flags | _MUST,
+                                np.where(self.ev_alloc, self.ev_flags, _core.STEP_FREE).astype(np.uint32)])
+        return sizes, slots, flags.astype(np.uint32), self.nslots
+
+    def spread(self, batch_size):
+        """Bytes kept free at `batch_size` for what other steps of the run showed beyond
+        the template (the template is the step that peaked highest of those recorded:
+        what its blocks hold scales with them)."""
+        return int(self.spread_bytes)
+
+    def optimistic(self):
+        """The same model with the other bound for blocks known only to lie between fixed
+        and proportional: how much the answer depends on them."""
+        return dataclasses.replace(self, ev_fixed_lo=self.ev_fixed_hi, ev_lo=self.ev_hi,
+                                   ev_fixed_hi=self.ev_fixed_lo, ev_hi=self.ev_lo)
+
+    def layout_margin(self, batch_size, budget):
+        """Bytes kept free at `batch_size` for the layout another order and a long run's
+        history leave: a granule for each large block live at the step's peak, and at
+        least LAYOUT_SLACK of the budget (see the module's docstring)."""
+        if not self.layout.get("backs_on_demand", True):
+            return int(LAYOUT_SLACK * budget)
+        return max(int(self.need(batch_size)["large_blocks_at_peak"]) * _granule(self.layout),
+                   int(LAYOUT_SLACK * budget))
+
+    def replay(self, batch_size, budget):
+        """The step at `batch_size` under `budget` bytes (spread and layout margin kept
+        free): a dict with fits, failed_at, peak_bytes_reserved, peak_account,
+        peak_overshoot, blocks_at_peak, large_blocks_at_peak, slack_at_peak."""
+        sizes, slots, flags, nslots = self._ops(batch_size)
+        room = int(budget) - self.spread(batch_size) - self.layout_margin(batch_size, budget)
+        if room <= 0:
+            return {"fits": False, "failed_at": 0, "peak_bytes_reserved": 0, "peak_account": 0, "peak_overshoot": 0,
+                    "blocks_at_peak": 0, "large_blocks_at_peak": 0, "slack_at_peak": 0}
+        lay = self.layout
+        r = _core.replay_step(sizes, slots, flags, nslots, room, upstream=_replay_upstream(lay),
+                              alignment=int(lay.get("alignment", 0)), granule_bytes=_granule(lay),
+                              address_factor=int(lay.get("address_factor", 0)),
+                              small_threshold=int(lay.get("small_threshold", 0)))
+        # Start blocks over the budget are granted as overshoot, never refused: they are
+        # what the step meets. A step whose start alone passes the budget does not fit.
+        if r["fits"] and r["peak_overshoot"] > 0 and self._start_overshoot(sizes, room):
+            r["fits"] = False
+        return r
+
+    def _start_overshoot(self, sizes, room):
+        return int(sizes[:len(self.start_fixed)].sum()) > room
+
+    def need(self, batch_size):
+        """The replay at `batch_size` with a budget that always fits: its peaks."""
+        sizes, slots, flags, nslots = self._ops(batch_size)
+        big = int(sizes.sum()) * 2 + (1 << 30)
+        lay = self.layout
+        return _core.replay_step(sizes, slots, flags, nslots, big, upstream=_replay_upstream(lay),
+                                 alignment=int(lay.get("alignment", 0)), granule_bytes=_granule(lay),
+                                 address_factor=int(lay.get("address_factor", 0)),
+                                 small_threshold=int(lay.get("small_threshold", 0)))
+
+    def fits(self, batch_size, budget):
+        return self.replay(batch_size, budget)["fits"]
+
+    def largest_fitting(self, budget, at_most=None):
+        """The largest batch size whose step fits `budget`, or 0 when not even 1 does.
+        Bisection: the model's need grows with the batch size."""
+        if not self.fits(1, budget):
+            return 0
+        hi = self.base_batch
+        while self.fits(hi, budget):
+            if at_most is not None and hi >= at_most:
+                return int(at_most)
+            hi *= 2
+            if hi > 1 << 30:
+                return hi
+        lo = 1 if hi <= self.base_batch else hi // 2
+        if at_most is not None:
+            hi = min(hi, at_most + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits(mid, budget) else (lo, mid)
+        return lo
+
+    def budget_for(self, batch_size):
+        """The smallest budget (bytes) under which `batch_size` fits: a bisection of
+        replays between the need's peaks."""
+        need = self.need(batch_size)
+        lo, hi = need["peak_account"] // 2, need["peak_bytes_reserved"] + self.spread(batch_size) + (1 << 20)
+        while not self.fits(batch_size, hi):
+            hi *= 2
+        while hi - lo > 1 << 16:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self.fits(batch_size, mid) else (mid, hi)
+        return int(hi)
+
+    # -- saved models (the report's JSON, what-if) -----------------------------------------
+
+    def to_dict(self):
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d):
+        types = {"start_fixed": np.float64, "start_slope": np.float64, "start_flags": np.uint32,
+                 "ev_alloc": bool, "ev_slot": np.uint32, "ev_flags": np.uint32, "ev_fixed_lo": np.float64,
+                 "ev_lo": np.float64, "ev_fixed_hi": np.float64, "ev_hi": np.float64}
+        return cls(**{k: (np.asarray(v, dtype=types[k]) if k in types else v) for k, v in d.items()})
+
+
+def _replay_upstream(layout):
+    # The replay never touches memory: pools backed on demand are replayed as host_lazy
+    # (bookkeeping) with the device's granule; a plain pool as one region of host memory
+    # (address space only, mmap NORESERVE).
+    return "host_lazy" if layout.get("backs_on_demand", True) else "host"
+
+
+def _granule(layout):
+    return int(layout.get("page_bytes", 0)) if layout.get("backs_on_demand", True) else 0
+
+
+class StepModels:
+    """The StepModels a run at batch size B must survive, by which trace of the step B runs.
+
+    Keras feeds arrays through a tf.data pipeline whose batches have a known size only when
+    the batch size divides the number of samples; otherwise the last batch is partial and
+    TensorFlow traces the step with an unknown batch dimension, a graph that needs more
+    (the zoo's GRU under 72 MiB: 512 samples train, 505 and 518 run out in the first step).
+    So each model has a domain: "all", "static" (batch sizes that divide `samples`) or
+    "dynamic" (the others; also what a static batch size falls back on when no model of
+    its own domain exists). A batch size fits when every model of its domain fits; its need
+    is the largest of theirs. The run's first step (it traces the function: graph
+    optimization allocates then, and tf.data has not prepared its batches yet) is one model,
+    the steady steps another."""
+
+    def __init__(self, models, domains=None, samples=None):
+        pairs = [(m, d) for m, d in zip(models, domains or ["all"] * len(models)) if m is not None]
+        if not pairs:
+            raise ValueError("StepModels needs at least one StepModel")
+        self.models = [m for m, _ in pairs]
+        self.domains = [d for _, d in pairs]
+        self.samples = samples
+
+    def _static(self, batch_size):
+        return bool(self.samples) and self.samples % int(batch_size) == 0
+
+    def _for(self, batch_size):
+        want = "static" if self._static(batch_size) else "dynamic"
+        chosen = [m for m, d in zip(self.models, self.domains) if d in ("all", want)]
+        if want == "static" and not any(d == "static" for d in self.domains):
+            chosen = [m for m, d in zip(self.models, self.domains) if d in ("all", "dynamic")]
+        return chosen or self.models
+
+    @property
+    def base_batch(self):
+        return self.models[0].base_batch
+
+    @property
+    def spread_bytes(self):
+        return max(m.spread_bytes for m in self.models)
+
+    def fits(self, batch_size, budget):
+        return all(m.fits(batch_size, budget) for m in self._for(batch_size))
+
+    def need(self, batch_size):
+        return max((m.need(batch_size) for m in self._for(batch_size)), key=lambda r: r["peak_account"])
+
+    def largest_fitting(self, budget, at_most=None):
+        """The largest batch size that fits: the largest of the sizes whose trace has an
+        unknown batch dimension (bisection: their need grows with the batch), and, where a
+        model of the known-size trace exists, of the sizes that divide the samples."""
+        dynamic = [m for m, d in zip(self.models, self.domains) if d in ("all", "dynamic")] or self.models
+        best = min(m.largest_fitting(budget, at_most=at_most) for m in dynamic)
+        while best > 0 and self._static(best) and not self.fits(best, budget):
+            best -= 1  # a size that divides the samples runs the other trace
+        if self.samples and any(d == "static" for d in self.domains):
+            top = min(self.samples, at_most or self.samples)
+            for d in sorted((d for d in _divisors(self.samples) if best < d <= top), reverse=True):
+                if self.fits(d, budget):
+                    return d
+        return best
+
+    def budget_for(self, batch_size):
+        return max(m.budget_for(batch_size) for m in self._for(batch_size))
+
+    def optimistic(self):
+        return StepModels([m.optimistic() for m in self.models], self.domains, self.samples)
+
+    def to_dict(self):
+        return {"models": [m.to_dict() for m in self.models], "domains": self.domains, "samples": self.samples}
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls([StepModel.from_dict(m) for m in d["models"]], d.get("domains"), d.get("samples"))
+
+
+def _divisors(n):
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

@@ -1,0 +1,89 @@
+"""The out-of-memory error that explains itself: the request, the budget, what holds the
+memory (by kind), the largest free block, and what would fit (_advice)."""
+from tf_memguard import _advice
+from tf_memguard._units import format_bytes
+
+# What each kind of block is, as a user should read it (TFMG_KIND_*, cc/tfmg/c_api.h).
+KIND_NAMES = {
+    "kernel": "the step's tensors",
+    "input": "numpy and Python values made into tensors (Keras' copy of the data among them)",
+    "data": "tf.data's buffers (elements, batches, shuffle and prefetch)",
+    "constant": "constants (the graph's, and constant folding's)",
+    "xla": "XLA's buffers (jit_compile)",
+    "copy": "copies of tensors",
+    "tensor": "tensors made outside kernels",
+    "raw": "runtime buffers",
+    "other": "tensors",
+}
+
+
+def holders(by_kind, over_by_kind, limit=4):
+    """'48.0 MiB numpy and Python values..., 12.3 MiB the step's tensors': the largest
+    holders first (at most `limit`), those granted over the budget marked."""
+    parts = sorted(((v, k) for k, v in by_kind.items() if v), reverse=True)[:limit]
+    out = []
+    for v, k in parts:
+        over = over_by_kind.get(k, 0)
+        text = f"{format_bytes(v)} {KIND_NAMES.get(k, k)}"
+        if over:
+            text += f" ({format_bytes(over)} of it granted over the budget: it cannot be refused)"
+        out.append(text)
+    return ", ".join(out)
+
+
+def largest_free(refusal):
+    """The largest free block at a refusal, as the pool names it. Where the pool backs its
+    regions on demand (host and CUDA), they are address space, twice the budget: a free
+    block can be larger than the budget, and what of it the budget can back decides."""
+    largest, allocatable = refusal["largest_free_block_bytes"], refusal["largest_allocatable_bytes"]
+    if allocatable < largest:
+        return f"{format_bytes(allocatable)} within the budget"
+    return format_bytes(largest)
+
+
+def explain(device, refusal, suggestion=None, running=None):
+    """The note for an out-of-memory error: what was refused, what held the budget, and
+    what to do (`suggestion`: an _advice.Suggestion, or None when none could be made)."""
+    req = refusal["requested_bytes"]
+    outside = refusal["passthrough_bytes_in_use"]
+    in_use = refusal["bytes_in_use"] - outside
+    text = (f"{device}: cannot allocate {format_bytes(req)} ({req} bytes): {format_bytes(in_use)} of the "
+            f"{format_bytes(refusal['bytes_limit'])} budget in use, largest free block {largest_free(refusal)}.")
+    held = holders(refusal.get("bytes_in_use_by_kind", {}), refusal.get("overshoot_in_use_by_kind", {}))
+    if held:
+        text += f" In use: {held}."
+    if suggestion is not None:
+        text += " " + _advice.advice_sentence(suggestion, running)
+    elif running:
+        text += f" Reduce the batch size (now {running}) or pass a larger max_bytes to tf_memguard.install()."
+    else:
+        text += " Reduce the batch size or pass a larger max_bytes to tf_memguard.install()."
+    return text
+
+
+def not_in_the_pool(device, framework_name):
+    return (f"{device}: {framework_name} ran out of memory, but not in tf_memguard's pool (no request was "
+            "refused); the budget is not what stopped it.")
+
+
+def constant_refused(device, refusal, suggestion=None, running=None):
+    """For TensorFlow's InvalidArgumentError 'Cannot parse tensor from proto' after the
+    pool refused a constant (the step's graph holds one too large for the budget)."""
+    return ("TensorFlow could not build the step: a constant of " + format_bytes(refusal["requested_bytes"]) +
+            " did not fit the budget (TensorFlow reports that as 'Cannot parse tensor from proto'; such "
+            "constants often come from constant folding of a tensor shaped by the batch size). " +
+            explain(device, refusal, suggestion, running))
+
+
+def overshoot_stop(device, kind, bytes_over, budget, step, suggestion=None, running=None):
+    """A step that needed more than the budget from requests that cannot be refused
+    (XLA's buffers, oneDNN's kernels): the run stops after it."""
+    why = {"xla": "XLA's buffers (jit_compile=True) cannot be refused: TensorFlow loses the model's variables "
+                  "when one is (seen with TensorFlow 2.21)",
+           "kernel": "oneDNN kernels crash when an allocation is refused (a TensorFlow bug; start Python with "
+                     "TF_ENABLE_ONEDNN_OPTS=0 for a hard budget)"}.get(kind, "those requests cannot be refused")
+    text = (f"{device}: step {step} needed {format_bytes(bytes_over)} more than the {format_bytes(budget)} budget, "
+            f"granted over it because {why}; the run stopped after that step, with the model intact.")
+    if suggestion is not None:
+        text += " " + _advice.advice_sentence(suggestion, running)
+    return text

@@ -1,0 +1,191 @@
+"""Recording training steps as the pool sees them, for the memory model.
+
+A recorded step is the blocks live when it began (pool.live_blocks()) and the events of
+the step (the pool's trace, started at its first allocation and stopped after its last).
+While a batch size is being profiled, the TensorFlow plugin tags the kernel allocations
+whose first dimension is that batch size (tfmg_set_profile_batch).
+
+fit_steps() runs a short fit() of its own (two steps, the second recorded) and restores
+the model's weights and optimizer state exactly: the second batch size the memory model
+needs, a complete step after an out-of-memory error, and find_batch_size's measurements.
+Its steps run as fit() runs them (a lone train_on_batch step runs another graph: its batch
+comes from Python, not from fit()'s tf.data pipeline).
+"""
+import gc
+import traceback
+
+from tf_memguard import _backend, _core
+from tf_memguard._memory_model import StepTrace
+
+# Events one step may leave in the trace: a training step of the models seen makes
+# 100-5,000 allocations and as many frees (an LSTM over 64 time steps: about 4,500 of
+# each); the first step of a function, with graph optimization, up to ~20,000.
+TRACE_CAPACITY = 1 << 18
+
+
+_active = set()  # recorders recording now (a run ended by Ctrl-C may leave one)
+
+
+def abort_all():
+    """Stops every recording (and the profiling of a batch size) left by an interrupted run."""
+    for recorder in list(_active):
+        recorder.abort()
+    _core.set_profile_batch(0)
+
+
+class StepRecorder:
+    """Records one step at a time of a pool: begin() at its start, end() after it."""
+
+    def __init__(self, pool, capacity=TRACE_CAPACITY):
+        self.pool = pool
+        self.capacity = capacity
+        self._live = None
+        self._batch = None
+
+    @property
+    def active(self):
+        return self._live is not None
+
+    def begin(self, batch_size):
+        self._batch = int(batch_size)
+        self._live = self.pool.live_blocks()
+        self.pool.trace_start(self.capacity)
+        _active.add(self)
+
+    def end(self, complete=True):
+        """The step recorded since begin() (a StepTrace), or None when the trace lost
+        events (a step larger than the trace's capacity)."""
+        if self._live is None:
+            return None
+        self.pool.trace_start(0)
+        _active.discard(self)
+        live, self._live = self._live, None
+        try:
+            return StepTrace.from_pool(self.pool, live, self._batch, complete=complete)
+        except ValueError:
+            return None
+
+    def abort(self):
+        if self._live is not None:
+            self.pool.trace_start(0)
+            self._live = None
+        _active.discard(self)
+
+
+class Snapshot:
+    """The model's weights and optimizer state, restored exactly after a lone step."""
+
+    def __init__(self, model):
+        self.model = model
+        self.weights = [v.numpy().copy() for v in model.weights]
+        opt = getattr(model, "optimizer", None)
+        self.opt_built = bool(opt is not None and getattr(opt, "built", False))
+        self.opt_values = [v.numpy().copy() for v in opt.variables] if self.opt_built else None
+
+    def restore(self):
+        for v, value in zip(self.model.weights, self.weights):
+            v.assign(value)
+        opt = getattr(self.model, "optimizer", None)
+        if opt is None:
+            return
+        if self.opt_built:
+            for v, value in zip(opt.variables, self.opt_values):
+                v.assign(value)
+        elif getattr(opt, "built", False):
+            # Built by the lone step: back to the state build() creates (zeros, step 0).
+            for v in opt.variables:
+                v.assign(v.numpy() * 0)
+
+
+_nested = []  # fit_steps() running: MemGuardCallback leaves such steps alone
+
+
+def in_own_steps():
+    """True while fit_steps() runs a short fit() of its own."""
+    return bool(_nested)
+
+
+def _record_second_step(recorder, batch_size):
+    """A Keras callback that profiles the batch size from the epoch's start and records the
+    second step (the first may trace the step's function for the new batch dimension).
+    Made on first use: importing tf_memguard imports no Keras."""
+    import keras
+
+    class RecordSecondStep(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.trace = None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            _core.set_profile_batch(batch_size)
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 1:
+                recorder.begin(batch_size)
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                self.trace = recorder.end(True)
+
+        def failed(self):
+            if recorder.active:
+                self.trace = recorder.end(False)
+
+    return RecordSecondStep()
+
+
+def fit_steps(model, x, y, batch_size, recorder, samples=None):
+    """Two steps of fit() at `batch_size`, the second recorded (fit()'s own pipeline, its
+    copy of the data, the trace of the step it runs): a StepTrace, complete=False when the
+    second step was refused; None when the first was. `samples`: fit() on that many of the
+    first samples (default: all; one more than two batches makes the last batch partial,
+    and the trace the one for an unknown batch dimension). The model's weights and
+    optimizer state are restored exactly, its metrics reset."""
+    import keras
+    if samples is not None:
+        x = keras.tree.map_structure(lambda a: a[:samples], x)
+        y = keras.tree.map_structure(lambda a: a[:samples], y) if y is not None else None
+    snapshot = Snapshot(model)
+    cb = _record_second_step(recorder, batch_size)
+    history = getattr(model, "history", None)
+    _nested.append(True)
+    gc.collect()
+    try:
+        model.fit(x, y, batch_size=batch_size, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False,
+                  callbacks=[cb])
+    except _backend.oom_errors() as e:
+        cb.failed()
+        traceback.clear_frames(e.__traceback__)
+        del e
+    finally:
+        _nested.pop()
+        recorder.abort()
+        _core.set_profile_batch(0)
+        snapshot.restore()
+        if hasattr(model, "reset_metrics"):
+            model.reset_metrics()
+        if history is not None:
+            model.history = history
+        gc.collect()
+    return cb.trace
+
+
+def without_blocks(trace, sizes, kind=None, tagged=None):
+    """`trace` without the blocks live at its start whose size is one of `sizes` (of
+    `kind`, tagged or not when given): what a nested fit() found of the run around it
+    that the model must not count (the failed fit()'s prepared batches, the nested
+    fit()'s own short copy of the data)."""
+    import dataclasses
+
+    import numpy as np
+
+    from tf_memguard._memory_model import kind_of
+    sizes = set(int(v) for v in sizes)
+    drop = np.isin(trace.start_size, np.array(sorted(sizes), dtype=np.uint64))
+    if kind is not None:
+        drop &= kind_of(trace.start_flags) == _core.KINDS.index(kind)
+    if tagged is not None:
+        drop &= ((trace.start_flags & _core.ALLOC_BATCH) != 0) == tagged
+    keep = ~drop
+    return dataclasses.replace(trace, start_size=trace.start_size[keep], start_flags=trace.start_flags[keep],
+                               start_address=trace.start_address[keep])
