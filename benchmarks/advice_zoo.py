@@ -1,0 +1,199 @@
+"""The batch-size advice on a zoo of models (benchmarks/zoo.py), against real runs.
+
+For each model, under its budget (zoo.BUDGETS):
+- limit: the largest batch size that trains two epochs over the whole data set in 2 of 2
+  fresh processes (bisection over real runs, to within 2%);
+- advice: MemGuardCallback's suggestion after two epochs at about half the limit, and
+  whether it trains two epochs in 2 of 2 fresh processes;
+- after an OOM: a fit() at 1.6x the limit runs out; the suggestion in its explained error,
+  and whether a retry at it in the same process trains two epochs;
+- find_batch_size (4 steps), and whether its answer trains two epochs.
+Prints a table and writes benchmarks/results/advice_zoo.json. Slow (about an hour and a
+half on 2 cores): every row is dozens of fresh processes.
+
+    python benchmarks/advice_zoo.py [--models resnet,gru] [--out benchmarks/results/advice_zoo.json]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+PRELUDE = f"""
+import os, sys, json, gc
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, {HERE!r})
+import tf_memguard
+def emit(**kw):
+    print(json.dumps(kw), flush=True)
+"""
+
+FIT = PRELUDE + """
+from zoo import build
+tf_memguard.install(max_bytes={budget} << 20)
+import tensorflow as tf
+x, y, make = build({name!r})
+m = make()
+cb = tf_memguard.MemGuardCallback(verbose=0)
+try:
+    m.fit(x, y, batch_size={batch}, epochs=2, verbose=0, callbacks=[cb])
+    rep = tf_memguard.report()
+    emit(fits=True, suggested=rep.suggested_batch_size, peak=rep.peak_bytes)
+except tf.errors.ResourceExhaustedError as e:
+    emit(fits=False)
+"""
+
+OOM = PRELUDE + """
+from zoo import build
+tf_memguard.install(max_bytes={budget} << 20)
+import tensorflow as tf
+x, y, make = build({name!r})
+m = make()
+cb = tf_memguard.MemGuardCallback(verbose=0)
+try:
+    m.fit(x, y, batch_size={batch}, epochs=2, verbose=0, callbacks=[cb])
+    emit(oom=False)
+except tf.errors.ResourceExhaustedError as e:
+    note = "\\n".join(getattr(e, "__notes__", []))
+    del e
+    gc.collect()
+    size = tf_memguard.report().suggested_batch_size
+    try:
+        m.fit(x, y, batch_size=size, epochs=2, verbose=0, callbacks=[cb])
+        retry = True
+    except tf.errors.ResourceExhaustedError:
+        retry = False
+    emit(oom=True, suggested=size, retry_trained=retry, note=note[:600])
+"""
+
+FIND = PRELUDE + """
+from zoo import build
+tf_memguard.install(max_bytes={budget} << 20)
+import tensorflow as tf
+x, y, make = build({name!r})
+m = make()
+size = tf_memguard.find_batch_size(m, x, y)
+try:
+    m.fit(x, y, batch_size=size, epochs=2, verbose=0)
+    trained = True
+except tf.errors.ResourceExhaustedError:
+    trained = False
+emit(size=size, trained=trained)
+"""
+
+
+def run(code, timeout=1200):
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"rc={proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+class Trials:
+    """Fresh-process fits of one model, cached by batch size."""
+
+    def __init__(self, name, budget):
+        self.name, self.budget = name, budget
+        self.cache = {}
+        self.runs = 0
+
+    def fits(self, batch, repeats=2):
+        got = self.cache.setdefault(batch, [])
+        while len(got) < repeats and all(r["fits"] for r in got):
+            got.append(run(FIT.format(name=self.name, budget=self.budget, batch=batch)))
+            self.runs += 1
+        return all(r["fits"] for r in got[:repeats])
+
+    def limit(self, guess):
+        """The largest batch size that trains in 2 of 2 runs, to within 2% (0: none)."""
+        b = max(2, guess)
+        if self.fits(b):
+            lo, hi = b, None
+            while hi is None:
+                b = int(b * 1.25) + 1
+                lo, hi = (b, None) if self.fits(b) else (lo, b)
+        else:
+            lo, hi = None, b
+            while lo is None:
+                b = max(1, int(b / 1.25))
+                if self.fits(b):
+                    lo = b
+                elif b == 1:
+                    return 0
+                else:
+                    hi = b
+        while hi - lo > max(1, lo // 50):
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits(mid) else (lo, mid)
+        return lo
+
+
+def evaluate(name, budget):
+    t0 = time.time()
+    trials = Trials(name, budget)
+    probe = run(FIT.format(name=name, budget=budget, batch=32))
+    guess = probe.get("suggested") or 64
+    limit = trials.limit(guess)
+    half = max(1, limit // 2)
+    advised = run(FIT.format(name=name, budget=budget, batch=half))
+    suggested = advised.get("suggested") if advised["fits"] else None
+    trains = bool(suggested) and trials.fits(suggested)
+    oom = run(OOM.format(name=name, budget=budget, batch=int(limit * 1.6)))
+    find = run(FIND.format(name=name, budget=budget))
+    row = {
+        "model": name, "budget_mib": budget, "limit": limit,
+        "suggested": suggested, "suggested_over_limit": round(suggested / limit, 3) if suggested else None,
+        "suggested_trains_2_of_2": trains, "advised_run_batch": half,
+        "oom_batch": int(limit * 1.6), "oom_raised": oom["oom"], "after_oom_suggested": oom.get("suggested"),
+        "after_oom_over_limit": round(oom["suggested"] / limit, 3) if oom.get("suggested") else None,
+        "after_oom_retry_trained": oom.get("retry_trained"), "oom_note": oom.get("note"),
+        "find_batch_size": find["size"], "find_over_limit": round(find["size"] / limit, 3),
+        "find_trained": find["trained"], "fit_runs": trials.runs, "seconds": round(time.time() - t0, 1),
+    }
+    return row
+
+
+def table(rows):
+    head = (f"{'model':<16}{'budget':>8}{'limit':>7}{'advice':>8}{'ratio':>7}{'trains':>8}{'OOM->':>7}"
+            f"{'ratio':>7}{'retry':>7}{'find':>6}{'ratio':>7}{'trains':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['model']:<16}{r['budget_mib']:>6}Mi{r['limit']:>7}{str(r['suggested']):>8}"
+                     f"{str(r['suggested_over_limit']):>7}{str(r['suggested_trains_2_of_2']):>8}"
+                     f"{str(r['after_oom_suggested']):>7}{str(r['after_oom_over_limit']):>7}"
+                     f"{str(r['after_oom_retry_trained']):>7}{r['find_batch_size']:>6}{r['find_over_limit']:>7}"
+                     f"{str(r['find_trained']):>8}")
+    ratios = [r["suggested_over_limit"] for r in rows if r["suggested_over_limit"]]
+    if ratios:
+        lines.append(f"advice/limit: min {min(ratios):.3f}, median {statistics.median(ratios):.3f}; "
+                     f"after OOM min {min(r['after_oom_over_limit'] or 0 for r in rows):.3f}; "
+                     f"find_batch_size min {min(r['find_over_limit'] for r in rows):.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    sys.path.insert(0, HERE)
+    from zoo import BUDGETS
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(BUDGETS), help="comma-separated zoo names. Defaults to all.")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "advice_zoo.json"))
+    args = ap.parse_args(argv)
+    rows = []
+    for name in args.models.split(","):
+        row = evaluate(name, BUDGETS[name])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows, "epochs": 2, "repeats": 2}, f, indent=2)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

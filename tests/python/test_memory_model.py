@@ -1,0 +1,130 @@
+"""The memory model of a training step (tf_memguard._memory_model), on steps made with the
+pool directly: which blocks are fixed, proportional or capped, the replay through the pool's
+own code, the largest batch size that fits, and the saved model. No TensorFlow."""
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+
+import tf_memguard
+from tf_memguard import _memory_model as mm
+
+MiB = 1 << 20
+
+
+def step(pool, b, cap=None, tag=True):
+    """A synthetic training step at batch size b: activations of 1 MiB per sample (tagged,
+    first dimension the batch), a fixed 3 MiB workspace, an untagged 0.5 MiB per sample (a
+    transposed tensor), and a workspace tagged at small sizes but capped at `cap` MiB."""
+    sizes = [(b * MiB, tag), (3 * MiB, False), (b * MiB // 2, False)]
+    if cap is not None:
+        sizes.append((min(b, cap) * MiB, tag and b <= cap))
+    blocks = [pool.allocate(s, batch=t, kind="kernel") for s, t in sizes]
+    for a in blocks[::-1]:
+        pool.free(a)
+
+
+def record(pool, b, **kw):
+    live = pool.live_blocks()
+    pool.trace_start(1 << 16)
+    step(pool, b, **kw)
+    pool.trace_start(0)
+    return mm.StepTrace.from_pool(pool, live, b)
+
+
+def make_pool():
+    pool = tf_memguard.Pool(max_bytes=1 << 30, upstream="host_lazy")
+    pool.allocate(4 * MiB, kind="kernel")  # weights, live at every step's start
+    return pool
+
+
+def true_need(b, cap=None):
+    return (4 + b + 3 + b / 2 + (min(b, cap) if cap else 0)) * MiB
+
+
+def test_two_steps_give_every_block_its_line_and_the_replay_its_peak():
+    pool = make_pool()
+    model = mm.StepModel.build(record(pool, 32), record(pool, 16))
+    for b in (8, 16, 32, 64, 100):
+        assert model.need(b)["peak_account"] == true_need(b), b
+    # The recorded step's own peak comes out of the replay as measured.
+    assert model.need(32)["peak_account"] == true_need(32)
+
+
+def test_one_step_bounds_what_it_cannot_tell_on_the_safe_side():
+    pool = make_pool()
+    model = mm.StepModel.build(record(pool, 32), None)
+    # Untagged blocks could be fixed or proportional: above the recorded size the model
+    # takes proportional (more), below it fixed (more).
+    assert model.need(64)["peak_account"] >= true_need(64)
+    assert model.need(16)["peak_account"] >= true_need(16)
+    assert model.need(32)["peak_account"] == true_need(32)
+
+
+def test_a_tagged_workspace_that_stops_growing_is_seen_from_the_second_step():
+    # Tagged at 16 (first dimension = the batch), capped at 24: at 32 it is 24 MiB.
+    pool = make_pool()
+    model = mm.StepModel.build(record(pool, 32, cap=24), record(pool, 16, cap=24))
+    # Without the second step the model would scale it as a batch-shaped tensor.
+    assert model.need(32)["peak_account"] == true_need(32, cap=24)
+    assert model.need(64)["peak_account"] <= true_need(64, cap=64)   # less than proportional
+    assert model.need(64)["peak_account"] >= true_need(64, cap=24)   # the line through both: safe
+
+
+def test_the_largest_batch_size_that_fits_is_the_one_whose_replay_fits():
+    pool = make_pool()
+    model = mm.StepModel.build(record(pool, 32), record(pool, 16))
+    budget = 200 * MiB
+    best = model.largest_fitting(budget)
+    # 4 + 3 + 1.5 b MiB within 98% of the budget (LAYOUT_SLACK kept free for the layout).
+    assert best == 126, best
+    assert model.fits(best, budget) and not model.fits(best + 1, budget)
+    assert model.largest_fitting(budget, at_most=40) == 40
+    assert mm.StepModel.build(record(pool, 32), None).largest_fitting(6 * MiB) == 0   # nothing fits
+    assert model.budget_for(best) <= budget + (64 << 10)   # found to 64 KiB
+
+
+def test_a_step_recorded_where_the_batch_size_divides_the_samples_has_its_own_domain():
+    pool = make_pool()
+    light = mm.StepModel.build(record(pool, 32), record(pool, 16))
+    heavy = mm.StepModel.build(record(pool, 32, cap=8), record(pool, 16, cap=8))   # 8 MiB more
+    both = mm.StepModels([light, heavy], ["static", "dynamic"], samples=4096)
+    budget = 200 * MiB
+    # Sizes that divide 4096 run the light trace, the others the heavy one.
+    assert both.need(64)["peak_account"] == light.need(64)["peak_account"]
+    assert both.need(65)["peak_account"] == heavy.need(65)["peak_account"]
+    # Within 98% of the budget the heavy trace fits up to 120 (15 + 1.5 b MiB), the light one
+    # up to 126, and the largest divisor of 4096 under that is 64.
+    assert heavy.largest_fitting(budget) == 120 and light.largest_fitting(budget) == 126
+    assert both.largest_fitting(budget) == 120
+    # Under 204 MiB the heavy trace fits up to 123 and the light one up to 128, a divisor.
+    assert both.largest_fitting(204 * MiB) == 128
+
+
+def test_a_model_saved_in_a_report_answers_the_same():
+    pool = make_pool()
+    model = mm.StepModels([mm.StepModel.build(record(pool, 32), record(pool, 16))], samples=4096)
+    back = mm.StepModels.from_dict(json.loads(json.dumps(model.to_dict())))
+    for b in (10, 50, 90):
+        assert back.need(b) == model.need(b)
+    assert back.largest_fitting(150 * MiB) == model.largest_fitting(150 * MiB)
+
+
+def test_what_if_from_the_command_line(tmp_path):
+    pool = make_pool()
+    model = mm.StepModels([mm.StepModel.build(record(pool, 32), record(pool, 16))], samples=4096)
+    report = tf_memguard.Report(budget_bytes=128 * MiB, batch_size=32, memory_model=model.to_dict(), samples=4096)
+    path = tmp_path / "report.json"
+    report.to_json(str(path))
+    out = subprocess.run([sys.executable, "-m", "tf_memguard", "what-if", str(path), "--budget", "120MiB",
+                          "--batch-size", "64", "--batch-size", "80"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^\s+64\s+103 MiB\s+yes$", out.stdout, re.M), out.stdout
+    assert re.search(r"^\s+80\s+127 MiB\s+no$", out.stdout, re.M), out.stdout
+    assert "largest batch size that fits: 73" in out.stdout, out.stdout   # (0.98 * 120 - 7) / 1.5
+    bad = subprocess.run([sys.executable, "-m", "tf_memguard", "what-if", str(path), "--budget", "lots"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--budget='lots'" in bad.stderr
+

@@ -1,0 +1,111 @@
+"""The budget holds on a zoo of models, for every way of running them, at batch sizes from
+the largest that fits to ten times it: no crash; the budget's account (tensors in the pool
+plus what was granted over the budget) never above the budget, except by what could not be
+refused, which is reported by kind; the memory back after a failure; the model usable.
+
+One process per model (benchmarks/zoo.py), each running the modes one after another."""
+import os
+
+import pytest
+
+from tfproc import HARD, run
+
+pytestmark = pytest.mark.tf
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+# Eight kinds: convolutions with residuals, separable convolutions, recurrent, attention,
+# wide dense, embedding, an autoencoder, and a keras.applications model.
+MODELS = ["resnet", "separable", "bilstm", "transformer", "wide_dense", "embedding", "autoencoder", "mobilenet"]
+MODES = ["fit", "predict", "evaluate", "train_on_batch", "tf_data", "jit_compile"]
+
+SCRIPT = """
+import sys, math, numpy as np
+sys.path.insert(0, {bench!r})
+from zoo import build, BUDGETS
+import tf_memguard
+budget = BUDGETS[{name!r}] << 20
+tf_memguard.install(max_bytes=budget)
+import tensorflow as tf, keras
+x, y, make = build({name!r})
+n = min(len(a) for a in keras.tree.flatten(x))
+# The largest batch size that fits, by the memory model of a short run at 16.
+m = make()
+cb = tf_memguard.MemGuardCallback(verbose=0)
+m.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0, callbacks=[cb])
+limit = max(1, tf_memguard.report().suggested_batch_size or 16)
+pool = tf_memguard.device_pool()
+def take(data, k):
+    # k samples (repeated as needed): a batch of k needs k samples
+    reps = -(-k // n)
+    return keras.tree.map_structure(lambda a: np.concatenate([a] * reps)[:k], data)
+results = []
+for mode in {modes!r}:
+    for factor in (1, 3, 10):
+        b = limit * factor
+        gc.collect()
+        m = make()
+        if mode == "jit_compile":
+            m.compile(m.optimizer, m.loss, jit_compile=True)
+        m.optimizer.build(m.trainable_variables)
+        xs, ys = take(x, 2 * b), take(y, 2 * b)
+        gc.collect()
+        pool.clear_stats()   # the peak from here (MemGuardCallback resets only its window)
+        s0 = pool.stats()
+        before = s0["bytes_in_use"] - s0["passthrough_bytes_in_use"]
+        outcome = "ok"
+        ds = None
+        try:
+            if mode in ("fit", "jit_compile"):
+                m.fit(xs, ys, batch_size=b, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            elif mode == "predict":
+                m.predict(xs, batch_size=b, verbose=0)
+            elif mode == "evaluate":
+                m.evaluate(xs, ys, batch_size=b, verbose=0)
+            elif mode == "train_on_batch":
+                m.train_on_batch(take(x, b), take(y, b))
+            elif mode == "tf_data":
+                ds = tf.data.Dataset.from_tensor_slices((xs, ys)).shuffle(2 * b).batch(b).prefetch(2)
+                m.fit(ds, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        except tf.errors.OpError as e:
+            outcome = type(e).__name__
+            del e
+        s = pool.stats()
+        peak = s["peak_bytes_in_use"] - s["passthrough_bytes_in_use"]
+        granted = {{k: v - s0["overshoot_bytes_by_kind"][k] for k, v in s["overshoot_bytes_by_kind"].items()
+                    if v > s0["overshoot_bytes_by_kind"][k]}}
+        del xs, ys, ds
+        gc.collect()
+        after = pool.stats()["bytes_in_use"] - pool.stats()["passthrough_bytes_in_use"]
+        try:
+            out = m.predict(take(x, 2), verbose=0)
+            usable = bool(all(np.isfinite(o).all() for o in keras.tree.flatten(out)))
+        except tf.errors.OpError as e:
+            usable = f"{{type(e).__name__}} with {{ {{k: v for k, v in pool.stats()['bytes_in_use_by_kind'].items() if v}} }}"
+            del e
+        results.append(dict(mode=mode, batch=b, outcome=outcome, peak=peak, before=before, after=after,
+                            usable=usable, reserved=s["peak_bytes_reserved"], budget=budget, granted=granted))
+        del m
+emit(limit=limit, results=results)
+"""
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_budget_holds_for_every_mode_and_batch_size(name):
+    r = run("import gc\n", SCRIPT.format(bench=BENCH, name=name, modes=MODES), env=HARD, timeout=1500)
+    assert r.returncode == 0, r   # no crash, whatever was refused
+    rows = r.data["results"]
+    assert len(rows) == len(MODES) * 3
+    for row in rows:
+        where = f"{name} {row['mode']} at {row['batch']}: {row}"
+        assert row["usable"] is True, where
+        assert row["reserved"] <= row["budget"], where   # the pool never holds more than the budget
+        # The account passes the budget only by what could not be refused (XLA's buffers),
+        # each grant reported by kind.
+        assert row["peak"] <= row["budget"] + sum(row["granted"].values()), where
+        if row["mode"] != "jit_compile":
+            assert set(row["granted"]) <= {"input"}, where   # numpy made into tensors, if anything
+        # Nothing stays behind once the failed call's objects are collected.
+        assert abs(row["after"] - row["before"]) <= 1 << 20, where
+    # At ten times the largest size that fits, training does not fit.
+    assert any(row["outcome"] != "ok" for row in rows if row["mode"] == "fit" and row["batch"] >= 10 * r.data["limit"])
