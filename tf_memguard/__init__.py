@@ -38,9 +38,12 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # The callback needs Keras and TensorFlow; importing them is deferred to first use
     # so that `import tf_memguard` stays light.
-    if name in ("MemGuardCallback", "BudgetExceededError"):
+    if name == "MemGuardCallback":
         from tf_memguard import _callback
-        return getattr(_callback, name)
+        return _callback.MemGuardCallback
+    if name == "BudgetExceededError":
+        from tf_memguard import _errors
+        return _errors.budget_exceeded_error()
     raise AttributeError(f"module 'tf_memguard' has no attribute {name!r}")
 
 

@@ -3,90 +3,24 @@ batch size that fits, the memory report, and out-of-memory errors that explain t
 
 The callback orchestrates: _monitor measures, _steps records the steps the memory model
 is made of, _advice asks the model, _oom words the errors, _report keeps the run."""
-import inspect
-import numbers
-import traceback
+import gc
 import warnings
-import weakref
 
 import keras
 
-from tf_memguard import _advice, _backend, _core, _install, _monitor, _oom, _recording, _report
+from tf_memguard import _advice, _backend, _core, _fit_args, _guard, _install, _monitor, _oom, _recording, _report
+from tf_memguard._errors import budget_exceeded_error
 from tf_memguard._steps import StepSampler
 from tf_memguard._units import format_bytes
-
-_budget_exceeded = {}
-
-
-def _budget_exceeded_error():
-    """BudgetExceededError, made on first use as a subclass of the backend's out-of-memory
-    error (so that importing the callback does not import TensorFlow on torch)."""
-    framework = _backend.framework()
-    if framework not in _budget_exceeded:
-        base = _backend.oom_errors()[0]
-
-        def __init__(self, message):
-            if framework == "torch":
-                base.__init__(self, message)
-            else:
-                base.__init__(self, None, None, message)
-
-        _budget_exceeded[framework] = type("BudgetExceededError", (base,), {
-            "__init__": __init__, "__module__": "tf_memguard",
-            "__doc__": """A step went over the budget without the framework raising: requests that cannot
-    be refused (XLA's buffers, oneDNN's kernels) were granted over it, so MemGuardCallback
-    stopped the run after that step; or TensorFlow could not build the step because a
-    constant did not fit. A subclass of the backend's out-of-memory error
-    (tf.errors.ResourceExhaustedError, torch.OutOfMemoryError), so its handlers catch it."""})
-    return _budget_exceeded[framework]
 
 
 def __getattr__(name):
     if name == "BudgetExceededError":
-        return _budget_exceeded_error()
+        return budget_exceeded_error()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _fit_arguments():
-    """The arguments of the Keras fit() call running now (its frame's locals), or {}.
-    Keras does not hand callbacks the batch size or the data; fit()'s own frame has them."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            code = frame.f_code
-            if code.co_name == "fit" and "keras" in code.co_filename.replace("\\", "/"):
-                return dict(frame.f_locals)
-            frame = frame.f_back
-        return {}
-    finally:
-        del frame
-
-
-def _is_arrays(data):
-    if data is None:
-        return False
-    leaves = keras.tree.flatten(data)
-    return bool(leaves) and all(hasattr(a, "shape") and hasattr(a, "nbytes") and not keras.ops.is_tensor(a)
-                                and len(a.shape) > 0 for a in leaves)
-
-
-def _positive_int(name, value, none_ok=False):
-    if value is None and none_ok:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name}={value!r}: must be a positive int" + (" or None" if none_ok else ""))
-    return int(value)
-
-
-def _fraction(name, value, lo_open, hi_closed):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-            (value > 0 if lo_open else value >= 0) and (value <= 1 if hi_closed else value < 1)):
-        raise ValueError(f"{name}={value!r}: must be a fraction in {'(' if lo_open else '['}0, "
-                         f"1{']' if hi_closed else ')'}")
-    return float(value)
-
-
-_warned_disabled = set()
+_warned = set()  # reasons already said, once per process
 
 
 class MemGuardCallback(keras.callbacks.Callback):
@@ -140,16 +74,17 @@ class MemGuardCallback(keras.callbacks.Callback):
     def __init__(self, device=None, warn_at=0.9, batch_size=None, verbose="auto", leak_epochs=3, advice=True):
         super().__init__()
         self.device = _install.normalize_device(device) if device is not None else None
-        self.warn_at = _fraction("warn_at", warn_at, lo_open=True, hi_closed=True)
-        self.batch_size = _positive_int("batch_size", batch_size, none_ok=True)
+        self.warn_at = _fit_args.fraction("warn_at", warn_at)
+        self.batch_size = _fit_args.positive_int("batch_size", batch_size, none_ok=True)
         if isinstance(verbose, bool) or verbose not in ("auto", 0, 1, 2):
             raise ValueError(f"verbose={verbose!r}: must be 'auto', 0, 1 or 2")
         self.verbose = verbose
-        self.leak_epochs = _positive_int("leak_epochs", leak_epochs)
+        self.leak_epochs = _fit_args.positive_int("leak_epochs", leak_epochs)
         if not isinstance(advice, bool):
             raise ValueError(f"advice={advice!r}: must be True or False")
         self.advice = advice
         self._report = None
+        self._run_token = None
 
     # -- per-run state -----------------------------------------------------------------
 
@@ -164,11 +99,11 @@ class MemGuardCallback(keras.callbacks.Callback):
         self._pool = _install.device_pool(self._device)
         self._start = self._pool.stats()
         self._budget = self._start["bytes_limit"]
-        fit_args = _fit_arguments()
+        fit_args = _fit_args.fit_arguments()
         x, y = fit_args.get("x"), fit_args.get("y")
-        arrays = _is_arrays(x)
-        self._run_batch = self.batch_size or self._learn_batch_size(fit_args, x, arrays)
-        self._n = self._num_samples(x, fit_args) if arrays else None
+        arrays = _fit_args.is_arrays(x)
+        self._run_batch = self.batch_size or _fit_args.batch_size(fit_args)
+        self._n = _fit_args.training_samples(fit_args)
         self._monitor = _monitor.Monitor(self._pool, self._budget)
         self._sampler = None
         if self.advice and self._run_batch:
@@ -181,47 +116,18 @@ class MemGuardCallback(keras.callbacks.Callback):
         self._suggestion = None
         self._over_counts = {k: self._start["overshoots_by_kind"][k] for k in ("kernel", "xla")}
         self._report = None
-        self._wrap_train_function()
+        self._run_token = object()
+        self._wrapped = _guard.wrap(self.model, self)
 
     def _check_serving(self):
         """False, with one warning per reason, when the pool does not see the tensors."""
-        if _backend.framework() != "tensorflow":
-            return True
-        import tensorflow  # noqa: F401  (the plugin is loaded by it)
-        state = _core.plugin_state()
-        reason = None
-        if state & _core.PLUGIN_DISABLED:
-            reason = ("tf_memguard's TensorFlow plugin is turned off (TF_MEMGUARD_DISABLE=1): MemGuardCallback "
-                      "records nothing. Unset it and restart Python to measure memory.")
-        elif state & (_core.PLUGIN_MISMATCH | _core.PLUGIN_GLUE_FAILED):
-            reason = "MemGuardCallback records nothing: " + _core.plugin_message()
-        elif not state & _core.PLUGIN_REGISTERED:
-            reason = ("tf_memguard's TensorFlow plugin is not registered (see its warning at `import tensorflow`): "
-                      "MemGuardCallback records nothing.")
+        reason = _install.not_serving()
         if reason is None:
             return True
-        if reason not in _warned_disabled:
-            _warned_disabled.add(reason)
+        if reason not in _warned:
+            _warned.add(reason)
             warnings.warn("tf_memguard: " + reason, stacklevel=3)
         return False
-
-    def _learn_batch_size(self, fit_args, x, arrays):
-        if arrays:
-            return fit_args.get("batch_size") or 32
-        spec = getattr(x, "element_spec", None)
-        if spec is not None:
-            dims = {leaf.shape[0] for leaf in keras.tree.flatten(spec) if getattr(leaf, "shape", None) is not None
-                    and len(leaf.shape) > 0 and leaf.shape[0] is not None}
-            if len(dims) == 1:
-                return int(dims.pop())
-        return None
-
-    def _num_samples(self, x, fit_args):
-        n = min(len(a) for a in keras.tree.flatten(x))
-        split = fit_args.get("validation_split") or 0.0
-        if split and fit_args.get("validation_data") is None:
-            n = int(-(-n * (1.0 - split) // 1))  # as Keras splits: ceil(n * (1 - split))
-        return n
 
     def _talks(self):
         if self.verbose == "auto":
@@ -303,51 +209,9 @@ class MemGuardCallback(keras.callbacks.Callback):
 
     # -- out of memory -------------------------------------------------------------------
 
-    def _wrap_train_function(self):
-        model = self.model
-        current = getattr(model, "train_function", None)
-        # A wrapper left by a run that ended without on_train_end (an exception, Ctrl-C):
-        # unwrap it first, whichever callback made it.
-        while getattr(current, "_tf_memguard_original", None) is not None:
-            current = current._tf_memguard_original
-        if current is None:
-            self._original_train_function = None
-            return
-        owner = weakref.ref(self)
-        run = object()
-        self._run_token = run
-
-        def guarded(*args, **kwargs):
-            callback = owner()
-            if callback is None or getattr(callback, "_run_token", None) is not run or _recording.in_own_steps():
-                return current(*args, **kwargs)
-            before = callback._pool.stats()["num_refusals"]
-            try:
-                return current(*args, **kwargs)
-            except callback._oom_types as e:
-                if not isinstance(e, _budget_exceeded_error()):
-                    # The frames of the failed step are done: drop their locals, which on
-                    # PyTorch hold the step's activations, so that the lone steps and the
-                    # retry find the pool as a new step will.
-                    traceback.clear_frames(e.__traceback__)
-                    callback._explain_oom(e)
-                raise
-            except BaseException as e:
-                callback._end_abruptly()
-                message = callback._constant_refused(e, before)
-                if message:
-                    raise _budget_exceeded_error()("tf_memguard: " + message) from e
-                raise
-
-        guarded._tf_memguard_original = current
-        self._original_train_function = current
-        model.train_function = guarded
-
     def _unwrap_train_function(self):
-        original = getattr(self, "_original_train_function", None)
-        if original is not None and getattr(self.model, "train_function", None) is not original:
-            self.model.train_function = original
-        self._original_train_function = None
+        _guard.unwrap(self.model, getattr(self, "_wrapped", None))
+        self._wrapped = None
         self._run_token = None
 
     def _end_abruptly(self):
@@ -381,7 +245,6 @@ class MemGuardCallback(keras.callbacks.Callback):
         else:
             suggestion = None
             if self._sampler and self._budget:
-                import gc
                 gc.collect()
                 try:
                     model = self._sampler.model_after_oom(self.model)
@@ -408,32 +271,18 @@ class MemGuardCallback(keras.callbacks.Callback):
         self._oom = _oom.overshoot_stop(self._device, kind, over, self._budget, self._monitor.global_step,
                                         self._suggest(), self._run_batch)
         self._finish()
-        raise _budget_exceeded_error()("tf_memguard: " + self._oom)
+        raise budget_exceeded_error()("tf_memguard: " + self._oom)
 
     # -- the report ----------------------------------------------------------------------
 
     def _finish(self):
         if self._sampler:
             self._sampler.train_end()
-        s = self._pool.stats()
-        cfg = _install.config(self._device)
-        over = {k: v - self._start["overshoot_bytes_by_kind"][k] for k, v in s["overshoot_bytes_by_kind"].items()}
         model = self._sampler.model() if self._sampler else None
-        sug = self._suggestion
-        rep = _report.Report(
-            device=self._device, budget_bytes=self._budget, predating_bytes=cfg.predating_bytes if cfg else 0,
-            epochs=list(self._monitor.records), steps=[t[:4] for t in self._monitor.steps],
-            peak_bytes=self._monitor.peak(), allocs=s["num_allocs"] - self._start["num_allocs"],
-            refusals=s["num_refusals"] - self._start["num_refusals"], overshoot_bytes_by_kind=over,
-            batch_size=self._run_batch, suggested_batch_size=sug.batch_size if sug else None,
-            suggestion_method=sug.method if sug else "",
-            leak=_report.leak_verdict(self._monitor.live_at_end, self.leak_epochs, peak=self._monitor.peak()),
-            oom=self._oom, process_peak_rss_bytes=_report.process_peak_rss() if self._device == "CPU:0" else 0,
-            memory_model=model.to_dict() if model is not None else None, samples=self._n)
-        self._report = rep
-        _report.set_last(rep)
+        self._report = _report.from_run(self._device, self._pool, self._start, self._monitor, self._run_batch,
+                                        self._suggestion, self._oom, model, self._n, self.leak_epochs)
         if self._talks():
-            print(rep)
+            print(self._report)
 
     @property
     def report(self):

@@ -100,6 +100,24 @@ def _check_plugin():
             "bypass tf_memguard, so a budget would not be enforced. Unset it before starting Python.")
 
 
+def not_serving():
+    """Why MemGuardCallback would record nothing (the pool does not see TensorFlow's
+    tensors), or None when it does. On Keras' torch backend, None."""
+    if _backend.framework() != "tensorflow":
+        return None
+    import tensorflow  # noqa: F401  (the plugin is loaded by it)
+    state = _core.plugin_state()
+    if state & _core.PLUGIN_DISABLED:
+        return ("tf_memguard's TensorFlow plugin is turned off (TF_MEMGUARD_DISABLE=1): MemGuardCallback records "
+                "nothing. Unset it and restart Python to measure memory.")
+    if state & (_core.PLUGIN_MISMATCH | _core.PLUGIN_GLUE_FAILED):
+        return "MemGuardCallback records nothing: " + _core.plugin_message()
+    if not state & _core.PLUGIN_REGISTERED:
+        return ("tf_memguard's TensorFlow plugin is not registered (see its warning at `import tensorflow`): "
+                "MemGuardCallback records nothing.")
+    return None
+
+
 def device_pool(device=None):
     """The process-wide pool of `device`, shared with the framework (a tf_memguard.Pool).
 

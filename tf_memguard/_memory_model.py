@@ -86,6 +86,9 @@ class StepTrace:
     complete: bool = True
     observed_peak: int = 0
     layout: dict = dataclasses.field(default_factory=dict)
+    # True where every step allocates in the same order (PyTorch's eager steps on one
+    # stream); TensorFlow's inter-op threads order a step's kernels differently each time.
+    ordered: bool = False
 
     @classmethod
     def capture_start(cls, pool):
@@ -93,7 +96,7 @@ class StepTrace:
         return pool.live_blocks()
 
     @classmethod
-    def from_pool(cls, pool, live, batch_size, complete=True):
+    def from_pool(cls, pool, live, batch_size, complete=True, ordered=False):
         """The step recorded since `live` was taken and the trace started."""
         t = pool.trace_arrays()
         if t["dropped"]:
@@ -102,7 +105,7 @@ class StepTrace:
                    start_flags=live["flags"].astype(np.uint32), start_address=live["address"].astype(np.uint64),
                    op=t["op"].astype(np.uint32), size=t["size"].astype(np.uint64),
                    address=t["address"].astype(np.uint64), flags=t["flags"].astype(np.uint32),
-                   complete=complete, layout=pool.layout())
+                   complete=complete, layout=pool.layout(), ordered=ordered)
 
     # -- the step as replay ops --------------------------------------------------------
 
@@ -156,7 +159,23 @@ def _match(template, other, fixed_kinds=(), fixed_sizes=()):
         fixed_lo[i], slope_lo[i], fixed_hi[i], slope_hi[i] = fixed, slope, fixed, slope
         done[i] = True
 
-    if other is not None and other.batch_size != template.batch_size:
+    pairs = _ordered_pairs(template, other) if other is not None and template.ordered and other.ordered \
+        and other.batch_size != template.batch_size else None
+    if pairs is not None:
+        # Steps that allocate in the same order at both sizes: the k-th allocation of one is
+        # the k-th of the other (aligned where the two differ, e.g. a workspace one of them
+        # asks for). Matching by size would not do without tags: in a CNN one layer's output
+        # at 2b samples is as large as the next layer's (twice the channels, half the area)
+        # at b, and would pass for a fixed block.
+        bo = float(other.batch_size)
+        o_size = other.size[other.allocations()].astype(np.float64)
+        for i, j in pairs:
+            slope = max((size[i] - o_size[j]) / (bt - bo), 0.0)
+            fixed = size[i] - slope * bt
+            if fixed < 0:
+                fixed, slope = 0.0, size[i] / bt
+            line(i, fixed, slope)
+    elif other is not None and other.batch_size != template.batch_size:
         bo = float(other.batch_size)
         oi = other.allocations()
         o_size = other.size[oi].astype(np.float64)
@@ -200,6 +219,26 @@ def _match(template, other, fixed_kinds=(), fixed_sizes=()):
     return fixed_lo, slope_lo, fixed_hi, slope_hi
 
 
+def _ordered_pairs(template, other):
+    """(template allocation, other allocation) index pairs of two steps recorded in the same
+    order, aligned on the sequence of their allocations and frees (difflib), of one kind."""
+    import difflib
+
+    def events(t):
+        allocs = t.allocations()
+        token = np.where(t.op == _FREE, 0, 1 + kind_of(t.flags)).astype(np.int64)
+        return [int(v) for v in token], {int(e): k for k, e in enumerate(allocs.tolist())}
+    a, a_index = events(template)
+    b, b_index = events(other)
+    pairs = []
+    for block in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
+        for k in range(block.size):
+            i, j = block.a + k, block.b + k
+            if i in a_index and j in b_index:
+                pairs.append((a_index[i], b_index[j]))
+    return pairs
+
+
 @dataclasses.dataclass
 class StepModel:
     """Every block of a step as a line in the batch size, replayed through the pool.
@@ -225,10 +264,11 @@ class StepModel:
     complete: bool = True
 
     @classmethod
-    def build(cls, template, other=None, start=None, observed_peak=None, first=False):
+    def build(cls, template, other=None, start=None, observed_peak=None, first=False, extra_start=None):
         """The model of `template`'s step (complete), its untagged blocks' slopes from
-        `other`, starting from `start`'s live blocks (default: template's own), and the
-        spread from `observed_peak` (default: template.observed_peak).
+        `other`, starting from `start`'s live blocks (default: template's own) and
+        `extra_start` ((sizes, flags) of more blocks live then, recorded at start's batch
+        size), and the spread from `observed_peak` (default: template.observed_peak).
         `first`: the template is a run's first step, which traces the step's function: its
         blocks made outside kernels that no second step explains (graph optimization's
         constants and copies, tf.data's set-up) are taken as fixed, where a steady step's
@@ -241,6 +281,9 @@ class StepModel:
         bs = float(start.batch_size)
         start_flags = start.start_flags
         s_size = start.start_size.astype(np.float64)
+        if extra_start is not None and len(extra_start[0]):
+            s_size = np.concatenate([s_size, np.asarray(extra_start[0], dtype=np.float64)])
+            start_flags = np.concatenate([start_flags, np.asarray(extra_start[1], dtype=np.uint32)])
         s_tag = (start_flags & _BATCH) != 0
         start_fixed = np.where(s_tag, 0.0, s_size)
         start_slope = np.where(s_tag, s_size / bs, 0.0)

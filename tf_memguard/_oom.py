@@ -58,7 +58,12 @@ def explain(device, refusal, suggestion=None, running=None):
         text += f" Reduce the batch size (now {running}) or pass a larger max_bytes to tf_memguard.install()."
     else:
         text += " Reduce the batch size or pass a larger max_bytes to tf_memguard.install()."
-    return text
+    # While it is handled, an exception holds the failed fit()'s frames, and with them its
+    # copy of the data: a retry inside the except block meets two copies.
+    return text + RETRY
+
+
+RETRY = " Retry after the except block, and gc.collect() first: until then this error holds the failed fit()'s data."
 
 
 def not_in_the_pool(device, framework_name):

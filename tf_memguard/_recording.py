@@ -26,6 +26,17 @@ TRACE_CAPACITY = 1 << 18
 _active = set()  # recorders recording now (a run ended by Ctrl-C may leave one)
 
 
+def clear_chain(error):
+    """Clears the locals of the finished frames of `error`'s traceback and of the errors it
+    was raised from or during (Keras re-raises a layer's error as a new one: the frames
+    holding PyTorch's activations are in the original's traceback, not in its own)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
 def abort_all():
     """Stops every recording (and the profiling of a batch size) left by an interrupted run."""
     for recorder in list(_active):
@@ -61,7 +72,8 @@ class StepRecorder:
         _active.discard(self)
         live, self._live = self._live, None
         try:
-            return StepTrace.from_pool(self.pool, live, self._batch, complete=complete)
+            return StepTrace.from_pool(self.pool, live, self._batch, complete=complete,
+                                       ordered=_backend.framework() == "torch")
         except ValueError:
             return None
 
@@ -155,7 +167,7 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None):
                   callbacks=[cb])
     except _backend.oom_errors() as e:
         cb.failed()
-        traceback.clear_frames(e.__traceback__)
+        clear_chain(e)
         del e
     finally:
         _nested.pop()
@@ -189,3 +201,73 @@ def without_blocks(trace, sizes, kind=None, tagged=None):
     keep = ~drop
     return dataclasses.replace(trace, start_size=trace.start_size[keep], start_flags=trace.start_flags[keep],
                                start_address=trace.start_address[keep])
+
+
+def _slice(data, n):
+    import keras
+    return keras.tree.map_structure(lambda a: a[:n], data) if data is not None else None
+
+
+def lone_step(model, x, y, batch_size, recorder):
+    """One training step outside fit() (train_on_batch) on the first `batch_size` samples of
+    the arrays x and y, recorded: a StepTrace (complete=False when the pool refused a
+    request), or None. The model is restored exactly; its metrics reset.
+
+    Inside the handling of fit()'s out-of-memory error a short fit() of its own cannot be
+    run: one there kept the failed fit()'s copy of the data in use for the rest of the
+    process (16 MiB of the zoo's wide MLP under a 50 MiB budget, and every retry then ran
+    out); a lone step does not. Its blocks are what its step makes; fit()'s pipeline is
+    added from the failed step (see StepSampler.model_after_oom)."""
+    oom = _backend.oom_errors()
+    snapshot = Snapshot(model)
+    gc.collect()
+    complete = True
+    trace = None
+    try:
+        _core.set_profile_batch(batch_size)
+        recorder.begin(batch_size)
+        try:
+            model.train_on_batch(_slice(x, batch_size), _slice(y, batch_size))
+        except oom as e:
+            complete = False
+            clear_chain(e)
+            del e
+        trace = recorder.end(complete)
+    finally:
+        recorder.abort()
+        _core.set_profile_batch(0)
+        snapshot.restore()
+        if hasattr(model, "reset_metrics"):
+            model.reset_metrics()
+        gc.collect()
+    return trace
+
+
+def without_inputs(trace, x, y):
+    """`trace` without the allocations of kind "input" that are exactly a batch of one of
+    the arrays x, y at its batch size (the numpy slices a lone step makes into tensors,
+    copied into the pool or aliased: TensorFlow adopts a numpy buffer aligned to 64 bytes),
+    nor their frees."""
+    import dataclasses
+
+    import keras
+    import numpy as np
+
+    from tf_memguard._memory_model import kind_of
+    align = int(trace.layout.get("alignment", 64))
+    batch = {-(-(int(a.nbytes) // len(a)) * trace.batch_size // align) * align
+             for a in keras.tree.flatten((x, y)) if a is not None and len(a)}
+    input_kind = _core.KINDS.index("input")
+    drop = np.zeros(len(trace.op), dtype=bool)
+    dropped = set()
+    for i, (op, addr, size, kind) in enumerate(zip(trace.op.tolist(), trace.address.tolist(),
+                                                   trace.size.tolist(), kind_of(trace.flags).tolist())):
+        if op == 1 and addr in dropped:
+            drop[i] = True
+            dropped.discard(addr)
+        elif op in (0, 3) and kind == input_kind and size in batch:
+            drop[i] = True
+            dropped.add(addr)
+    keep = ~drop
+    return dataclasses.replace(trace, op=trace.op[keep], size=trace.size[keep], address=trace.address[keep],
+                               flags=trace.flags[keep])

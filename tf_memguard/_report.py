@@ -185,6 +185,29 @@ def process_peak_rss():
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def from_run(device, pool, start, monitor, batch_size, suggestion, oom, model, samples, leak_epochs):
+    """The Report of a MemGuardCallback run (and report()'s from now on): `start`, the
+    pool's stats when it began; `monitor`, its _monitor.Monitor; `model`, the memory model
+    of its step (or None)."""
+    from tf_memguard import _install
+    s = pool.stats()
+    cfg = _install.config(device)
+    over = {k: v - start["overshoot_bytes_by_kind"][k] for k, v in s["overshoot_bytes_by_kind"].items()}
+    peak = monitor.peak()
+    rep = Report(
+        device=device, budget_bytes=start["bytes_limit"], predating_bytes=cfg.predating_bytes if cfg else 0,
+        epochs=list(monitor.records), steps=[t[:4] for t in monitor.steps], peak_bytes=peak,
+        allocs=s["num_allocs"] - start["num_allocs"], refusals=s["num_refusals"] - start["num_refusals"],
+        overshoot_bytes_by_kind=over, batch_size=batch_size,
+        suggested_batch_size=suggestion.batch_size if suggestion else None,
+        suggestion_method=suggestion.method if suggestion else "",
+        leak=leak_verdict(monitor.live_at_end, leak_epochs, peak=peak), oom=oom,
+        process_peak_rss_bytes=process_peak_rss() if device == "CPU:0" else 0,
+        memory_model=model.to_dict() if model is not None else None, samples=samples)
+    set_last(rep)
+    return rep
+
+
 def set_last(report):
     global _last
     _last = report

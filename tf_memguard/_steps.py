@@ -34,7 +34,9 @@ MIN_PARTIAL = 1 / 8
 RECORDED_EPOCHS = 2
 # Batches of data a short fit() of its own is given: tf.data's autotuned map and prefetch
 # held three prepared batches at every step's start in the runs measured (the README's
-# CNN, 2 cores), and the recorded step must find the pipeline as full as a long run's.
+# CNN, 2 cores), and the recorded step must find the pipeline as full as a long run's
+# (with four, the README's CNN's step was recorded with fewer, and 237 was suggested
+# where 233 ran out; with eight, 223-229).
 NESTED_BATCHES = 8
 
 
@@ -53,7 +55,7 @@ class StepSampler:
         # the recorded steps run the trace with a known batch dimension ("static"), and a
         # lone step (whose new size makes TensorFlow trace the step again, relaxed to an
         # unknown batch dimension) stands for the sizes that do not divide them.
-        self.static = bool(n_samples) and n_samples % self.b0 == 0
+        self.static = self.tf and bool(n_samples) and n_samples % self.b0 == 0
         self.lone = None
         self.template = None      # the steady steps' (the highest of them)
         self.template_peak = -1
@@ -161,7 +163,7 @@ class StepSampler:
         dimension); its blocks live at the start lose its own copy of those samples (the
         run's full copy stands for the retry's) and, with `exclude_batch`, the batches the
         failed fit() had prepared at that size. None when it could not be recorded."""
-        if self.x is None or self._lone_steps >= 2:
+        if self.x is None or self._lone_steps >= 3:
             return None
         self._lone_steps += 1
         samples = min(self.n or NESTED_BATCHES * size + 1, NESTED_BATCHES * size + 1)
@@ -198,7 +200,7 @@ class StepSampler:
                 # the samples.
                 models.append(StepModel.build(self.lone, start))
                 domains.append("dynamic")
-            self._model = StepModels(models, domains, samples=self.n)
+            self._model = StepModels(models, domains, samples=self.n if self.tf else None)
         return self._model
 
     def _batch_sizes(self, batch_size, align):
@@ -217,28 +219,65 @@ class StepSampler:
 
     def model_after_oom(self, model):
         """After a refused step: the StepModel, from short fit() runs of its own at smaller
-        sizes (at most two: b0 // 8, then near where the first says the limit is), with the
-        failed fit()'s copy of the data standing for the retry's. After them the retry runs
-        the trace for an unknown batch dimension whatever its size: their models hold for
+        sizes (b0 // 2, or b0 // 8 where that is refused too, then near where the first says
+        the limit is), with the failed fit()'s copy of the data standing for the retry's and
+        the batches its pipeline had prepared at b0 left out. The failed step up to its
+        refusal is the run's first step, and must fit too. After these runs the retry runs
+        the trace for an unknown batch dimension whatever its size: the models hold for
         every size. None when no complete step could be had."""
-        if self.x is None:
+        if self.x is None or self.prefix is None:
             return self.model()
-        first = self._nested(model, max(1, self.b0 // 8), exclude_batch=self.b0)
+        failed = StepModel.build(self.prefix, None, first=True)
+        half = max(1, self.b0 // 2)
+        first = self._nested(model, half, exclude_batch=self.b0)
+        if first is None or not first.complete:  # None: refused in its first step
+            self.too_large = min(self.too_large, half)
+            first = self._nested(model, max(1, self.b0 // 8), exclude_batch=self.b0)
         if first is None or not first.complete:
             return None
         budget = self.pool.stats()["bytes_limit"]
-        # The failed step up to its refusal is the run's first step: what it held then
-        # (Keras' copy of the data, the pipeline's first batches) must fit too.
-        failed = StepModel.build(self.prefix, first, first=True) if self.prefix is not None else None
         m1 = StepModels([StepModel.build(first, self.prefix), failed])
-        size = min(m1.largest_fitting(budget, at_most=self.n), self.b0 - 1)
+        size = min(m1.largest_fitting(budget, at_most=self.n), self.too_large - 1)
         if size <= first.batch_size:
             self._model = m1
-            return self._model
+            return m1
         second = self._nested(model, size, exclude_batch=self.b0)
         if second is not None and second.complete:
             self._model = StepModels([StepModel.build(second, first), failed])
         else:
             self.too_large = min(self.too_large, size)  # its steps were refused: smaller than that
-            self._model = StepModels([StepModel.build(first, second or self.prefix), failed])
+            self._model = m1
         return self._model
+
+    def _lone(self, model, size):
+        """A lone step at `size` without its own input batch (fit()'s batches come from its
+        pipeline, counted from the failed step), or None."""
+        if self.x is None or self._lone_steps >= 3:
+            return None
+        self._lone_steps += 1
+        try:
+            trace = _recording.lone_step(model, self.x, self.y, size, self.recorder)
+        except Exception as e:  # noqa: BLE001 - the explanation must never hide the error
+            warnings.warn(f"tf_memguard: a step at batch size {size} for the memory model failed "
+                          f"({type(e).__name__}: {e}); the advice uses what was recorded", stacklevel=3)
+            return None
+        return _recording.without_inputs(trace, self.x, self.y) if trace is not None else None
+
+    def _prepared_batches(self, prefix):
+        """(sizes, flags) of the input batches live when the step was refused that the step
+        itself allocated, what fit()'s pipeline had prepared (blocks tagged batch-shaped of
+        exactly a batch of one of the arrays), and one more: the pipeline refills its buffer
+        while a step runs (the README's CNN: 3 input batches live at every step's start, a
+        4th made during the step)."""
+        batch = set(self._batch_sizes(prefix.batch_size, int(prefix.layout.get("alignment", 64))))
+        live = {}
+        for op, addr, size, flags in zip(prefix.op.tolist(), prefix.address.tolist(), prefix.size.tolist(),
+                                         prefix.flags.tolist()):
+            if op == 1:
+                live.pop(addr, None)
+            elif op != 2:
+                live[addr] = (size, flags)
+        found = [(z, f) for z, f in live.values() if f & _core.ALLOC_BATCH and z in batch]
+        if found:
+            found.append(max(found))
+        return np.array([z for z, _ in found], dtype=np.uint64), np.array([f for _, f in found], dtype=np.uint32)

@@ -102,6 +102,7 @@ py::dict stats_dict(const tfmg_stats& s) {
   d["bytes_free"] = s.bytes_free;
   d["largest_allocatable_bytes"] = s.largest_allocatable_bytes;
   d["num_regions"] = s.num_regions;
+  d["blocks_in_use"] = s.blocks_in_use;
   d["passthrough_bytes_in_use"] = s.passthrough_bytes_in_use;
   d["overshoot_bytes_in_use"] = s.overshoot_bytes_in_use;
   d["peak_overshoot_bytes"] = s.peak_overshoot_bytes;
@@ -303,6 +304,96 @@ class Pool {
     return out;
   }
 
+  // The trace as arrays (for the memory model): op, size, address, flags.
+  py::dict trace_arrays() {
+    tfmg_pool* p = get();
+    uint64_t total = 0, dropped = 0;
+    std::vector<tfmg_trace_event> events;
+    call([&] {
+      tfmg_status s = tfmg_pool_trace(p, nullptr, 0, &total, nullptr);
+      if (s != TFMG_OK) return s;
+      events.resize(total);
+      return tfmg_pool_trace(p, events.data(), total, &total, &dropped);
+    });
+    events.resize(total);
+    const auto n = static_cast<py::ssize_t>(events.size());
+    py::array_t<uint32_t> op(n), flags(n);
+    py::array_t<uint64_t> size(n), address(n), sequence(n);
+    auto o = op.mutable_unchecked<1>();
+    auto f = flags.mutable_unchecked<1>();
+    auto z = size.mutable_unchecked<1>();
+    auto a = address.mutable_unchecked<1>();
+    auto q = sequence.mutable_unchecked<1>();
+    for (py::ssize_t i = 0; i < n; ++i) {
+      o(i) = events[i].op;
+      f(i) = events[i].flags;
+      z(i) = events[i].size;
+      a(i) = events[i].address;
+      q(i) = events[i].sequence;
+    }
+    py::dict out;
+    out["op"] = op;
+    out["size"] = size;
+    out["address"] = address;
+    out["flags"] = flags;
+    out["sequence"] = sequence;
+    out["dropped"] = dropped;
+    return out;
+  }
+
+  void trace_start(const py::object& capacity) {
+    const uint64_t c = to_u64(capacity, "capacity", false);
+    tfmg_pool* p = get();
+    call([&] { return tfmg_pool_trace_start(p, c); });
+  }
+
+  py::dict live_blocks() {
+    tfmg_pool* p = get();
+    std::vector<tfmg_live_block> blocks;
+    call([&] {
+      uint64_t n = 0;
+      tfmg_status s = tfmg_pool_live_blocks(p, nullptr, 0, &n);
+      if (s != TFMG_OK) return s;
+      blocks.resize(n + 64);  // a few more may come meanwhile
+      s = tfmg_pool_live_blocks(p, blocks.data(), blocks.size(), &n);
+      blocks.resize(n);
+      return s;
+    });
+    const auto n = static_cast<py::ssize_t>(blocks.size());
+    py::array_t<uint64_t> address(n), size(n), offset(n);
+    py::array_t<uint32_t> flags(n);
+    py::array_t<int32_t> region(n);
+    for (py::ssize_t i = 0; i < n; ++i) {
+      address.mutable_at(i) = blocks[i].address;
+      size.mutable_at(i) = blocks[i].size;
+      offset.mutable_at(i) = blocks[i].offset;
+      flags.mutable_at(i) = blocks[i].flags;
+      region.mutable_at(i) = blocks[i].region;
+    }
+    py::dict out;
+    out["address"] = address;
+    out["size"] = size;
+    out["flags"] = flags;
+    out["region"] = region;
+    out["offset"] = offset;
+    return out;
+  }
+
+  py::dict layout() {
+    tfmg_pool* p = get();
+    tfmg_pool_layout l{};
+    call([&] { return tfmg_pool_get_layout(p, &l); });
+    static const char* const upstreams[] = {"host", "cuda", "cuda_managed", "host_on_demand", "host_lazy"};
+    py::dict d;
+    d["alignment"] = l.alignment;
+    d["page_bytes"] = l.page_bytes;
+    d["small_threshold"] = l.small_threshold;
+    d["address_factor"] = l.address_factor;
+    d["backs_on_demand"] = l.backs_on_demand != 0;
+    d["upstream"] = l.upstream >= 0 && l.upstream < 5 ? upstreams[l.upstream] : "?";
+    return d;
+  }
+
   void trace_clear() {
     tfmg_pool* p = get();
     call([&] { return tfmg_pool_trace_clear(p); });
@@ -412,6 +503,10 @@ PYBIND11_MODULE(_core, m) {
       .def("release_unused", &Pool::release_unused)
       .def("trace", &Pool::trace)
       .def("trace_clear", &Pool::trace_clear)
+      .def("trace_arrays", &Pool::trace_arrays)
+      .def("trace_start", &Pool::trace_start, py::arg("capacity"))
+      .def("live_blocks", &Pool::live_blocks)
+      .def("layout", &Pool::layout)
       .def("check", &Pool::check)
       .def("describe", &Pool::describe)
       .def("total_memory", &Pool::total_memory)
@@ -489,4 +584,51 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("sizes"), py::arg("slots"), py::arg("is_free"), py::arg("nslots"),
       py::arg("alignment") = 64);
+  m.def(
+      "replay_step",
+      [](py::array_t<uint64_t, py::array::c_style | py::array::forcecast> sizes,
+         py::array_t<uint32_t, py::array::c_style | py::array::forcecast> slots,
+         py::array_t<uint32_t, py::array::c_style | py::array::forcecast> flags, uint64_t nslots,
+         const py::object& max_bytes, const std::string& upstream, uint64_t alignment, uint64_t granule_bytes,
+         uint64_t address_factor, uint64_t small_threshold) {
+        if (sizes.ndim() != 1 || slots.ndim() != 1 || flags.ndim() != 1 || sizes.shape(0) != slots.shape(0) ||
+            sizes.shape(0) != flags.shape(0)) {
+          throw py::value_error("sizes, slots and flags must be 1-D arrays of one length");
+        }
+        tfmg_pool_options o;
+        tfmg_pool_options_init(&o);
+        o.max_bytes = to_u64(max_bytes, "max_bytes", false);
+        o.upstream = parse_upstream(upstream);
+        o.alignment = alignment;
+        o.granule_bytes = granule_bytes;
+        o.address_factor = address_factor;
+        o.small_threshold = small_threshold;
+        o.trim_above_peak = 0.0;
+        std::vector<tfmg_step_op> ops(static_cast<std::size_t>(sizes.shape(0)));
+        auto z = sizes.unchecked<1>();
+        auto l = slots.unchecked<1>();
+        auto f = flags.unchecked<1>();
+        for (std::size_t i = 0; i < ops.size(); ++i) ops[i] = tfmg_step_op{z(i), l(i), f(i)};
+        tfmg_step_result r{};
+        call([&] { return tfmg_replay_step(&o, ops.data(), ops.size(), nslots, &r); });
+        py::dict d;
+        d["fits"] = r.fits != 0;
+        d["failed_at"] = r.failed_at == UINT64_MAX ? py::object(py::none()) : py::int_(r.failed_at);
+        d["peak_bytes_reserved"] = r.peak_bytes_reserved;
+        d["peak_account"] = r.peak_account;
+        d["peak_overshoot"] = r.peak_overshoot;
+        d["blocks_at_peak"] = r.blocks_at_peak;
+        d["large_blocks_at_peak"] = r.large_blocks_at_peak;
+        d["slack_at_peak"] = r.slack_at_peak;
+        return d;
+      },
+      py::arg("sizes"), py::arg("slots"), py::arg("flags"), py::arg("nslots"), py::arg("max_bytes"),
+      py::arg("upstream") = "host_lazy", py::arg("alignment") = 0, py::arg("granule_bytes") = 0,
+      py::arg("address_factor") = 0, py::arg("small_threshold") = 0,
+      "Replays a step (ops: allocations, and frees flagged STEP_FREE) through a fresh pool with that budget.");
+  m.attr("STEP_FREE") = TFMG_STEP_FREE;
+  m.attr("ALLOC_MUST_SUCCEED") = TFMG_ALLOC_MUST_SUCCEED;
+  m.attr("ALLOC_BATCH") = TFMG_ALLOC_BATCH;
+  m.attr("ALLOC_KIND_SHIFT") = TFMG_ALLOC_KIND_SHIFT;
+  m.attr("KINDS") = py::make_tuple("other", "kernel", "tensor", "raw", "constant", "data", "input", "xla", "copy");
 }
