@@ -54,12 +54,16 @@ import tensorflow as tf
 x, y, make = build({name!r})
 m = make()
 cb = tf_memguard.MemGuardCallback(verbose=0)
+note = None
 try:
     m.fit(x, y, batch_size={batch}, epochs=2, verbose=0, callbacks=[cb])
-    emit(oom=False)
 except tf.errors.ResourceExhaustedError as e:
     note = "\\n".join(getattr(e, "__notes__", []))
-    del e
+if note is None:
+    emit(oom=False)
+else:
+    # The retry comes after the except block, as the README says: while an exception is
+    # handled, it holds the failed fit()'s frames, and with them its copy of the data.
     gc.collect()
     size = tf_memguard.report().suggested_batch_size
     try:

@@ -31,10 +31,11 @@ call of this script:
              the filler is freed and the same matmul runs again, checked against the CPU.
 
   advice     (--advice-only) the batch-size advice on PyTorch: under the oom budget, a
-             fit at batch 128 with MemGuardCallback's defaults measures its suggestion
-             after epoch 1 (trial steps); the suggestion must train two epochs, and is
-             compared with the largest size that trains two epochs, by bisection (each
-             fit its own process). Writes gpu_keras_torch_advice.json.
+             fit at batch 128 for two epochs with MemGuardCallback's defaults gives its
+             suggestion (the memory model of its steps, from the glue's events); the
+             suggestion must train two epochs, and is compared with the largest size that
+             trains two epochs, by bisection (each fit its own process). Writes
+             gpu_keras_torch_advice.json.
 
 Usage (from the repository root, after `python3 setup.py build_ext --inplace` with
 PyTorch present): python3 benchmarks/gpu/keras_torch.py --out DIR
@@ -192,21 +193,23 @@ def _advice_fit(out, budget):
     try:
         hist = model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, callbacks=[guard])
         out["fits"] = True
-        out["epoch_peaks"] = hist.history["memguard_peak_bytes"]
+        out["epoch_peaks_mib"] = hist.history["memguard_peak_mib"]
     except torch.OutOfMemoryError as e:
         out["fits"] = False
         out["error"] = str(e)[:600]
     rep = tf_memguard.report()
     out["suggested"] = rep.suggested_batch_size if rep else None
     out["method"] = rep.suggestion_method if rep else None
-    out["trial_points"] = [{"batch_size": p.batch_size, "peak_bytes": p.peak_bytes, "fits": p.fits}
-                           for p in getattr(guard, "_trial_points", [])]
+    out["peak_reserved"] = tf_memguard.stats("cuda:0")["peak_bytes_reserved"]
+    if rep and os.environ.get("REPORT_OUT"):
+        rep.to_json(os.environ["REPORT_OUT"])   # the memory model, to replay offline
     return out
 
 
 def _advice(budget):
-    """The advice after one epoch at 128 under `budget`, checked against fit() itself."""
-    first = run_child("advice", budget, ADVICE_BATCH="128", ADVICE_EPOCHS="1")
+    """The advice after two epochs at 128 under `budget`, checked against fit() itself."""
+    first = run_child("advice", budget, ADVICE_BATCH="128", ADVICE_EPOCHS="2",
+                      REPORT_OUT=os.path.join(os.environ.get("OUT", "/tmp"), "advice_report.json"))
     size = first.get("suggested")
     result = {"budget_bytes": budget, "advised_run": first, "suggested": size}
     if not size:
@@ -278,9 +281,9 @@ def child(mode, budget):
     callbacks = [timer]
     if mode in ("memguard", "oom"):
         import tf_memguard
-        # The timed runs measure the allocator in a plain training run: no advice trials
-        # (extra steps at other batch sizes) in them; the OOM run keeps the defaults.
-        guard = tf_memguard.MemGuardCallback(verbose=0, advice_trials=0 if mode == "memguard" else 3)
+        # The timed runs measure the allocator in a plain training run: no advice (its
+        # recorded steps and short fit() of its own) in them; the OOM run keeps the defaults.
+        guard = tf_memguard.MemGuardCallback(verbose=0, advice=mode != "memguard")
         callbacks.append(guard)
     if mode in ("caching", "memguard"):
         hist = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=callbacks)
@@ -298,7 +301,7 @@ def child(mode, budget):
             out["backing"] = tf_memguard.device_pool("cuda:0").describe()
             out["backing_per_epoch"] = timer.probes
             out["history_keys"] = sorted(k for k in hist.history if k.startswith("memguard"))
-            out["epoch_peaks"] = hist.history["memguard_peak_bytes"]
+            out["epoch_peaks_mib"] = hist.history["memguard_peak_mib"]
             out["report"] = str(tf_memguard.report())
             if os.environ.get("TRACE_OUT"):
                 out["trace_events"] = _dump_trace(os.environ["TRACE_OUT"])
@@ -306,6 +309,10 @@ def child(mode, budget):
 
     # oom / naive: a step over the budget, then what still works in this process.
     before = _weights(model)
+    import warnings
+    caught = warnings.catch_warnings(record=True)
+    seen = caught.__enter__()
+    warnings.simplefilter("always")
     try:
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=callbacks)
         out["raised"] = None
@@ -315,6 +322,13 @@ def child(mode, budget):
         out["message"] = str(e)[:1500]
         out["notes"] = [n[:1500] for n in getattr(e, "__notes__", [])]
         del e
+    caught.__exit__(None, None, None)
+    out["warnings"] = [str(w.message)[:500] for w in seen]
+    if mode == "oom":
+        smp = getattr(callbacks[-1], "_sampler", None)
+        out["sampler"] = None if smp is None else {
+            "prefix": smp.prefix is not None, "lone_steps": smp._lone_steps, "too_large": smp.too_large,
+            "template": smp.template is not None, "first": smp.first is not None}
     gc.collect()
     try:
         a = torch.randn(2048, 2048, device="cuda")
@@ -350,13 +364,6 @@ def child(mode, budget):
     except torch.OutOfMemoryError as e:
         out["find_batch_size_fit_ok"] = False
         out["find_batch_size_error"] = str(e)[:600]
-    # The trial steps behind that answer (a second search, for the record).
-    from tf_memguard import _advisor
-    pool = tf_memguard.device_pool("cuda:0")
-    _, points = _advisor.search(model, x, y, budget, pool, trials=4,
-                                hold=_advisor.fit_holds(x, y, framework="torch"))
-    out["search_points"] = [{"batch_size": p.batch_size, "peak_bytes": p.peak_bytes,
-                             "base_bytes": p.base_bytes, "fits": p.fits} for p in points]
     out["last_refusal"] = tf_memguard.last_refusal("cuda:0")
     s = tf_memguard.stats("cuda:0")
     out["refusals"] = s["num_refusals"]
@@ -407,6 +414,9 @@ def main():
     if args.advice_only:
         live = run_child("memguard").get("peak_live", 0)
         result = _advice(int(0.8 * live)) if live else {"skipped": "no memguard peak"}
+        # The out-of-memory error at batch 256 under the same budget: its note, the retry at
+        # its suggestion in the same process, find_batch_size.
+        result["oom"] = run_child("oom", int(0.8 * live)) if live else None
         result["command"] = "bash benchmarks/gpu/run_keras_torch.sh --advice-only"
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gpu_keras_torch_advice.json"), "w") as f:

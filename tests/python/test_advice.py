@@ -41,12 +41,15 @@ import tensorflow as tf
 x, y, make = build({name!r})
 m = make()
 cb = tf_memguard.MemGuardCallback(verbose=0)
+failed = False
 try:
     m.fit(x, y, batch_size={batch}, epochs=2, verbose=0, callbacks=[cb])
+except tf.errors.ResourceExhaustedError:
+    failed = True
+if not failed:
     emit(oom=False)
-except tf.errors.ResourceExhaustedError as e:
-    del e
-    gc.collect()
+else:
+    gc.collect()   # after the except block, as the note says
     size = tf_memguard.report().suggested_batch_size
     try:
         m.fit(x, y, batch_size=size, epochs=2, verbose=0, callbacks=[cb])

@@ -29,6 +29,47 @@ def test_bad_max_bytes_raise_value_error_naming_the_value(value):
         tf_memguard.parse_bytes(value, total=16 * GiB)
 
 
+def test_numpy_integers_and_floats_are_taken_and_bools_are_not():
+    import numpy as np
+    assert tf_memguard.parse_bytes(np.int64(1 << 20), total=16 * GiB) == 1 << 20
+    assert tf_memguard.parse_bytes(np.float32(0.5), total=16 * GiB) == 8 * GiB
+    for bad in (True, np.bool_(True)):
+        with pytest.raises(ValueError, match="max_bytes="):
+            tf_memguard.parse_bytes(bad, total=16 * GiB)
+
+
+@pytest.mark.tf
+def test_a_budget_beyond_the_address_space_is_refused_and_lowering_works_when_the_blocks_fit():
+    r = run("""
+        import tensorflow as tf, tf_memguard
+        tf_memguard.install(max_bytes="1GiB")
+        try:
+            tf_memguard.install(max_bytes=2**63)
+            huge = None
+        except ValueError as e:
+            huge = str(e)
+        after_huge = tf_memguard.stats()["bytes_limit"]
+        live = tf.zeros([32, 1024, 1024])        # 128 MiB live
+        tmp = tf.ones([96, 1024, 1024]); del tmp  # 384 MiB backed, then free
+        tf_memguard.install(max_bytes="200MiB")  # the free granules go back
+        s = tf_memguard.stats()
+        try:
+            tf_memguard.install(max_bytes="64MiB")
+            low = None
+        except MemoryError as e:
+            low = str(e)
+        emit(huge=huge, after_huge=after_huge, limit=s["bytes_limit"], reserved=s["bytes_reserved"], low=low,
+             limit2=tf_memguard.stats()["bytes_limit"], value=float(live[0, 0, 0]))
+    """)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["huge"] and "above the 32.0 TiB a pool can take" in d["huge"], d
+    assert d["after_huge"] == GiB
+    assert d["limit"] == 200 << 20 and d["reserved"] <= 200 << 20
+    assert d["low"] and "128 MiB stays backed under blocks in use" in d["low"] and "the budget stays 200 MiB" in d["low"]
+    assert d["limit2"] == 200 << 20 and d["value"] == 0.0
+
+
 @pytest.mark.parametrize("device", ["CPU:0", "cpu", "CPU", "/device:CPU:0",
                                     "/job:localhost/replica:0/task:0/device:CPU:0"])
 def test_cpu_device_names_normalize(device):

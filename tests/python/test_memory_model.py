@@ -128,3 +128,29 @@ def test_what_if_from_the_command_line(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "--budget='lots'" in bad.stderr
 
+
+
+def test_untagged_steps_in_the_same_order_are_matched_by_position():
+    # PyTorch's steps come untagged (no shapes at the allocator), in the same order each
+    # time. In a CNN the first layer's output at 2b samples (b MiB x 2) is as large as the
+    # next layer's (twice the channels) at b: matched by size, both would look fixed.
+    import dataclasses
+
+    def cnn_step(pool, b):
+        blocks = [pool.allocate(2 * b * MiB // 32, kind="other"), pool.allocate(4 * b * MiB // 32, kind="other")]
+        for a in blocks[::-1]:
+            pool.free(a)
+
+    def rec(pool, b):
+        live = pool.live_blocks()
+        pool.trace_start(1 << 16)
+        cnn_step(pool, b)
+        pool.trace_start(0)
+        return dataclasses.replace(mm.StepTrace.from_pool(pool, live, b), ordered=True)
+
+    pool = make_pool()
+    t64, t32 = rec(pool, 64), rec(pool, 32)
+    need = mm.StepModel.build(t64, t32).need(128)["peak_account"]
+    assert need == (4 + 2 * 4 + 4 * 4) * MiB   # weights 4 MiB, 8 and 16 MiB at 128
+    unordered = mm.StepModel.build(dataclasses.replace(t64, ordered=False), dataclasses.replace(t32, ordered=False))
+    assert unordered.need(128)["peak_account"] < need   # the coincidence fools the size match
