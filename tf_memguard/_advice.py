@@ -41,7 +41,9 @@ def suggest(model, budget, running=None, at_most=None, method=""):
     samples there are (no batch is larger)."""
     size = model.largest_fitting(budget, at_most=at_most)
     peak = model.need(size)["peak_account"] if size else 0
-    one = model.budget_for(1) if size == 0 else 0
+    # Where none fits, a batch of 1 needs more than the budget, whatever a model made from a
+    # refused step alone says.
+    one = max(model.budget_for(1), budget + (1 << 20)) if size == 0 else 0
     now = model.budget_for(running) if running and (size == 0 or size < running) else 0
     return Suggestion(batch_size=int(size), budget_bytes=int(budget), predicted_peak_bytes=int(peak),
                       method=method, one_sample_bytes=int(one), running_bytes=int(now))

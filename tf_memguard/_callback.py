@@ -2,14 +2,15 @@
 batch size that fits, the memory report, and out-of-memory errors that explain themselves.
 
 The callback orchestrates: _monitor measures, _steps records the steps the memory model
-is made of, _advice asks the model, _oom words the errors, _report keeps the run."""
-import gc
+is made of, _advice asks the model, _failures handles a step that fails (_oom words it),
+_guard keeps fit()'s functions, _report keeps the run."""
 import warnings
 
 import keras
 
-from tf_memguard import _advice, _backend, _core, _fit_args, _guard, _install, _monitor, _oom, _recording, _report
+from tf_memguard import _advice, _backend, _fit_args, _guard, _install, _monitor, _recording, _report
 from tf_memguard._errors import budget_exceeded_error
+from tf_memguard._failures import FailureHandling
 from tf_memguard._steps import StepSampler
 from tf_memguard._units import format_bytes
 
@@ -21,9 +22,7 @@ def __getattr__(name):
 
 
 _warned = set()  # reasons already said, once per process
-
-
-class MemGuardCallback(keras.callbacks.Callback):
+class MemGuardCallback(FailureHandling, keras.callbacks.Callback):
     """Records the memory of every epoch, warns near the budget, and explains an OOM.
 
     At each epoch's end its peak (of what the budget answers for: tensors in tf_memguard's
@@ -118,6 +117,7 @@ class MemGuardCallback(keras.callbacks.Callback):
         self._report = None
         self._run_token = object()
         self._wrapped = _guard.wrap(self.model, self)
+        _guard.guard_callbacks(fit_args.get("callbacks"), self)
 
     def _check_serving(self):
         """False, with one warning per reason, when the pool does not see the tensors."""
@@ -207,80 +207,15 @@ class MemGuardCallback(keras.callbacks.Callback):
         return _advice.suggest(model, self._budget, running=self._run_batch, at_most=at_most,
                                method=self._sampler.method())
 
-    # -- out of memory -------------------------------------------------------------------
-
-    def _unwrap_train_function(self):
-        _guard.unwrap(self.model, getattr(self, "_wrapped", None))
-        self._wrapped = None
-        self._run_token = None
-
-    def _end_abruptly(self):
-        """A run ended by an exception (KeyboardInterrupt too): nothing stays switched on."""
-        if self._sampler:
-            self._sampler.train_end()
-        _core.set_profile_batch(0)
-        self._unwrap_train_function()
-
-    def _constant_refused(self, error, refusals_before):
-        """The note when TensorFlow could not build the step because the pool refused a
-        constant ('Cannot parse tensor from proto'), else None."""
-        if _backend.framework() != "tensorflow" or "Cannot parse tensor from proto" not in str(error):
-            return None
-        refusal = self._pool.last_refusal()
-        if refusal is None or refusal["kind"] != "constant" or self._pool.stats()["num_refusals"] <= refusals_before:
-            return None
-        self._oom = _oom.constant_refused(self._device, refusal, self._suggestion, self._run_batch)
-        self._finish()
-        return self._oom
-
-    def _explain_oom(self, error):
-        if self._sampler:
-            self._sampler.failed_step()
-        _core.set_profile_batch(0)
-        self._unwrap_train_function()
-        refusal = self._pool.last_refusal()
-        ours = refusal is not None and self._start["num_refusals"] < self._pool.stats()["num_refusals"]
-        if not ours:
-            message = _oom.not_in_the_pool(self._device, _backend.framework_name())
-        else:
-            suggestion = None
-            if self._sampler and self._budget:
-                gc.collect()
-                try:
-                    model = self._sampler.model_after_oom(self.model)
-                    suggestion = self._suggest(model, below=self._sampler.too_large) if model is not None else None
-                except Exception as e:  # noqa: BLE001 - the explanation must not hide the error
-                    warnings.warn(f"tf_memguard: no batch size could be worked out after the out-of-memory error "
-                                  f"({type(e).__name__}: {e})", stacklevel=3)
-                self._sampler.train_end()
-            if suggestion is not None:
-                self._suggestion = suggestion
-            message = _oom.explain(self._device, refusal, suggestion, self._run_batch)
-        self._oom = message
-        note = "tf_memguard: " + message
-        if hasattr(error, "add_note"):
-            error.add_note(note)
-        else:  # Python < 3.11
-            error._message = f"{error.message}\n\n{note}"
-        self._finish()
-
-    def _stop_for_overshoot(self, kind, stats):
-        over = stats["overshoot_bytes_by_kind"][kind]
-        self._over_counts[kind] = stats["overshoots_by_kind"][kind]
-        self._end_abruptly()
-        self._oom = _oom.overshoot_stop(self._device, kind, over, self._budget, self._monitor.global_step,
-                                        self._suggest(), self._run_batch)
-        self._finish()
-        raise budget_exceeded_error()("tf_memguard: " + self._oom)
-
     # -- the report ----------------------------------------------------------------------
 
-    def _finish(self):
+    def _finish(self, pending=None):
         if self._sampler:
             self._sampler.train_end()
         model = self._sampler.model() if self._sampler else None
         self._report = _report.from_run(self._device, self._pool, self._start, self._monitor, self._run_batch,
-                                        self._suggestion, self._oom, model, self._n, self.leak_epochs)
+                                        self._suggestion, self._oom, model, self._n, self.leak_epochs,
+                                        pending=pending)
         if self._talks():
             print(self._report)
 

@@ -1,7 +1,9 @@
 """The wrapper MemGuardCallback puts on model.train_function: an out-of-memory error of a
 step, and TensorFlow's error for a constant the pool refused, get the callback's
 explanation; any exception (Ctrl-C too) leaves nothing switched on. A wrapper left by a
-run that ended without on_train_end is replaced, whichever callback made it."""
+run that ended without on_train_end is replaced, whichever callback made it. The running
+fit()'s CallbackList is guarded too, so that an exception raised by another callback
+(Ctrl-C landing in one, a callback's error) leaves nothing switched on either."""
 import weakref
 
 from tf_memguard import _recording
@@ -49,6 +51,35 @@ def wrap(model, callback):
     guarded._tf_memguard_original = current
     model.train_function = guarded
     return current
+
+
+# The CallbackList hooks fit() calls between steps (Keras 3's trainers).
+_HOOKS = ("on_epoch_begin", "on_epoch_end", "on_train_batch_begin", "on_train_batch_end")
+
+
+def guard_callbacks(callback_list, callback):
+    """Wraps the hooks of fit()'s CallbackList (an instance made for the one fit() call)
+    so that any exception out of them ends `callback`'s run cleanly before it goes on."""
+    if callback_list is None or not all(hasattr(callback_list, h) for h in _HOOKS):
+        return
+    owner = weakref.ref(callback)
+    run = callback._run_token
+    for name in _HOOKS:
+        hook = getattr(callback_list, name)
+        if getattr(hook, "_tf_memguard_guarded", False):
+            continue
+
+        def guarded(*args, _hook=hook, **kwargs):
+            try:
+                return _hook(*args, **kwargs)
+            except BaseException:
+                cb = owner()
+                if cb is not None and cb._run_token is run:
+                    cb._end_abruptly()
+                raise
+
+        guarded._tf_memguard_guarded = True
+        setattr(callback_list, name, guarded)
 
 
 def unwrap(model, wrapped):

@@ -406,7 +406,7 @@ class StepModel:
     def largest_fitting(self, budget, at_most=None):
         """The largest batch size whose step fits `budget`, or 0 when not even 1 does.
         Bisection: the model's need grows with the batch size."""
-        if not self.fits(1, budget):
+        if (at_most is not None and at_most < 1) or not self.fits(1, budget):
             return 0
         hi = self.base_batch
         while self.fits(hi, budget):

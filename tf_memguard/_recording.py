@@ -96,17 +96,29 @@ class Snapshot:
 
     def restore(self):
         for v, value in zip(self.model.weights, self.weights):
-            v.assign(value)
+            v.assign(_in_pool(value))
         opt = getattr(self.model, "optimizer", None)
         if opt is None:
             return
         if self.opt_built:
             for v, value in zip(opt.variables, self.opt_values):
-                v.assign(value)
+                v.assign(_in_pool(value))
         elif getattr(opt, "built", False):
             # Built by the lone step: back to the state build() creates (zeros, step 0).
             for v in opt.variables:
-                v.assign(v.numpy() * 0)
+                v.assign(_in_pool(v.numpy() * 0))
+
+
+def _in_pool(value):
+    """`value` (a numpy array) as a tensor in the pool, for a variable to take over. On
+    TensorFlow a numpy array aligned to 64 bytes becomes a tensor on numpy's own memory,
+    and a variable assigned it keeps that memory, outside the pool and the budget (after
+    a restore, 4 of the zoo's wide MLP's 18.5 MiB of weights and optimizer state were);
+    DeepCopy's output is the allocator's. Keras on PyTorch copies into the variable."""
+    if _backend.framework() != "tensorflow":
+        return value
+    import tensorflow as tf
+    return tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(value))
 
 
 _nested = []  # fit_steps() running: MemGuardCallback leaves such steps alone
@@ -201,73 +213,3 @@ def without_blocks(trace, sizes, kind=None, tagged=None):
     keep = ~drop
     return dataclasses.replace(trace, start_size=trace.start_size[keep], start_flags=trace.start_flags[keep],
                                start_address=trace.start_address[keep])
-
-
-def _slice(data, n):
-    import keras
-    return keras.tree.map_structure(lambda a: a[:n], data) if data is not None else None
-
-
-def lone_step(model, x, y, batch_size, recorder):
-    """One training step outside fit() (train_on_batch) on the first `batch_size` samples of
-    the arrays x and y, recorded: a StepTrace (complete=False when the pool refused a
-    request), or None. The model is restored exactly; its metrics reset.
-
-    Inside the handling of fit()'s out-of-memory error a short fit() of its own cannot be
-    run: one there kept the failed fit()'s copy of the data in use for the rest of the
-    process (16 MiB of the zoo's wide MLP under a 50 MiB budget, and every retry then ran
-    out); a lone step does not. Its blocks are what its step makes; fit()'s pipeline is
-    added from the failed step (see StepSampler.model_after_oom)."""
-    oom = _backend.oom_errors()
-    snapshot = Snapshot(model)
-    gc.collect()
-    complete = True
-    trace = None
-    try:
-        _core.set_profile_batch(batch_size)
-        recorder.begin(batch_size)
-        try:
-            model.train_on_batch(_slice(x, batch_size), _slice(y, batch_size))
-        except oom as e:
-            complete = False
-            clear_chain(e)
-            del e
-        trace = recorder.end(complete)
-    finally:
-        recorder.abort()
-        _core.set_profile_batch(0)
-        snapshot.restore()
-        if hasattr(model, "reset_metrics"):
-            model.reset_metrics()
-        gc.collect()
-    return trace
-
-
-def without_inputs(trace, x, y):
-    """`trace` without the allocations of kind "input" that are exactly a batch of one of
-    the arrays x, y at its batch size (the numpy slices a lone step makes into tensors,
-    copied into the pool or aliased: TensorFlow adopts a numpy buffer aligned to 64 bytes),
-    nor their frees."""
-    import dataclasses
-
-    import keras
-    import numpy as np
-
-    from tf_memguard._memory_model import kind_of
-    align = int(trace.layout.get("alignment", 64))
-    batch = {-(-(int(a.nbytes) // len(a)) * trace.batch_size // align) * align
-             for a in keras.tree.flatten((x, y)) if a is not None and len(a)}
-    input_kind = _core.KINDS.index("input")
-    drop = np.zeros(len(trace.op), dtype=bool)
-    dropped = set()
-    for i, (op, addr, size, kind) in enumerate(zip(trace.op.tolist(), trace.address.tolist(),
-                                                   trace.size.tolist(), kind_of(trace.flags).tolist())):
-        if op == 1 and addr in dropped:
-            drop[i] = True
-            dropped.discard(addr)
-        elif op in (0, 3) and kind == input_kind and size in batch:
-            drop[i] = True
-            dropped.add(addr)
-    keep = ~drop
-    return dataclasses.replace(trace, op=trace.op[keep], size=trace.size[keep], address=trace.address[keep],
-                               flags=trace.flags[keep])

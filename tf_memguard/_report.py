@@ -34,10 +34,14 @@ class Report:
         allocs, refusals: counts over the run.
         overshoot_bytes_by_kind: bytes granted over the budget during the run, by kind.
         batch_size: the batch size the run used, if known.
-        suggested_batch_size: the largest batch size expected to fit the budget, or
-            None; suggestion_method says how it was found (measured by trials, a few
-            percent under where their peaks reach the budget; estimated from the
-            profiled steps, ``headroom`` under it; see MemGuardCallback).
+        suggested_batch_size: the largest batch size that fits the budget by the run's
+            memory model (0: none does), or None; suggestion_method says which steps the
+            model was made from. After an out-of-memory error it is worked out when first
+            read (two short steps of fit() at smaller sizes, the model restored after
+            them): read it after the except block and gc.collect(), when the failed
+            fit()'s data is no longer in the pool.
+        advice: what to do, in a sentence (the batch size that fits, or that none does
+            and which budget would).
         leak: the leak verdict ("no leak", "possible leak: ...", "too few epochs to tell").
         oom: the out-of-memory explanation, if the run failed for lack of memory.
         process_peak_rss_bytes: the process's peak resident memory (all of it: tensors,
@@ -59,11 +63,28 @@ class Report:
     batch_size: int = None
     suggested_batch_size: int = None
     suggestion_method: str = ""
+    advice: str = ""
     leak: str = "too few epochs to tell"
     oom: str = None
     process_peak_rss_bytes: int = 0
     memory_model: dict = None
     samples: int = None
+
+    # Worked out on first reading (after an out-of-memory error): a callable that sets them.
+    _LAZY = frozenset(("suggested_batch_size", "suggestion_method", "advice", "memory_model"))
+    _pending = None
+
+    def __getattribute__(self, name):
+        if name in Report._LAZY:
+            pending = object.__getattribute__(self, "__dict__").get("_pending")
+            if pending is not None:
+                self._pending = None
+                pending(self)
+        return object.__getattribute__(self, name)
+
+    def pending(self):
+        """True while the suggestion is still to be worked out (see suggested_batch_size)."""
+        return self.__dict__.get("_pending") is not None
 
     def model(self):
         """The StepModel saved in the report, or None."""
@@ -105,12 +126,15 @@ class Report:
                          ", ".join(f"{k} {format_bytes(v)}" for k, v in over.items()))
         if self.predating_bytes:
             lines.append(f"allocated before the budget was set: {format_bytes(self.predating_bytes)}")
-        if self.suggested_batch_size:
+        suggested, method = self.__dict__["suggested_batch_size"], self.__dict__["suggestion_method"]
+        if self.pending():
+            lines.append("batch size that fits the budget: worked out when report().suggested_batch_size is "
+                         "read (after the except block and gc.collect())")
+        elif suggested:
             now = f" (now {self.batch_size})" if self.batch_size else ""
-            lines.append(f"batch size that fits the budget: {self.suggested_batch_size}{now}, "
-                         f"from {self.suggestion_method}")
-        elif self.suggested_batch_size == 0:
-            lines.append(f"no batch size fits the budget, by {self.suggestion_method}")
+            lines.append(f"batch size that fits the budget: {suggested}{now}, from {method}")
+        elif suggested == 0:
+            lines.append(f"no batch size fits the budget, by {method}: {self.__dict__['advice']}")
         lines.append(f"leak check: {self.leak}")
         if self.process_peak_rss_bytes:
             lines.append(f"process peak resident memory: {format_bytes(self.process_peak_rss_bytes)} (the budget "
@@ -185,11 +209,13 @@ def process_peak_rss():
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def from_run(device, pool, start, monitor, batch_size, suggestion, oom, model, samples, leak_epochs):
+def from_run(device, pool, start, monitor, batch_size, suggestion, oom, model, samples, leak_epochs,
+             pending=None):
     """The Report of a MemGuardCallback run (and report()'s from now on): `start`, the
     pool's stats when it began; `monitor`, its _monitor.Monitor; `model`, the memory model
-    of its step (or None)."""
-    from tf_memguard import _install
+    of its step (or None); `pending`, a callable that sets the suggestion's fields when
+    they are first read."""
+    from tf_memguard import _advice, _install
     s = pool.stats()
     cfg = _install.config(device)
     over = {k: v - start["overshoot_bytes_by_kind"][k] for k, v in s["overshoot_bytes_by_kind"].items()}
@@ -201,9 +227,12 @@ def from_run(device, pool, start, monitor, batch_size, suggestion, oom, model, s
         overshoot_bytes_by_kind=over, batch_size=batch_size,
         suggested_batch_size=suggestion.batch_size if suggestion else None,
         suggestion_method=suggestion.method if suggestion else "",
+        advice=_advice.advice_sentence(suggestion, batch_size) if suggestion else "",
         leak=leak_verdict(monitor.live_at_end, leak_epochs, peak=peak), oom=oom,
         process_peak_rss_bytes=process_peak_rss() if device == "CPU:0" else 0,
         memory_model=model.to_dict() if model is not None else None, samples=samples)
+    if pending is not None:
+        rep._pending = pending
     set_last(rep)
     return rep
 

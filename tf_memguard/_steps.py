@@ -12,16 +12,17 @@ In a run of fit() at batch size b0 (see MemGuardCallback):
   again for the epoch's partial last batch, with an unknown batch dimension) and holds
   what the first epoch's end made (the validation data's copy);
 - the second size: the first epoch's partial last batch when there is one of a useful
-  size (a step fit() runs anyway), else one lone step at b0 // 2 on the first samples of
-  the arrays (train_on_batch, the model restored exactly after it). It tells which
-  untagged blocks change with the batch, and which tagged ones stop growing (workspaces
-  TensorFlow caps).
-After an out-of-memory error: the failed step up to its refusal (its blocks live at the
-start are fit()'s), and complete lone steps at smaller sizes (at most two).
+  size (a step fit() runs anyway), else a short fit() of its own at b0 // 2 on the first
+  samples of the arrays (its second step recorded, the model restored exactly). It tells
+  which untagged blocks change with the batch, and which tagged ones stop growing
+  (workspaces TensorFlow caps). With b0 dividing the samples, the run's steps have a
+  known batch dimension; the short fit()'s last batch is partial, so its steps stand for
+  the sizes that do not divide them (another trace, an unknown batch dimension).
+After an out-of-memory error: the failed step up to its refusal (the first step of the
+retry must fit too), and, once the failed fit()'s data is out of the pool, short fit()
+runs of its own on all the samples at smaller sizes (at most four).
 """
 import warnings
-
-import numpy as np
 
 from tf_memguard import _backend, _core, _recording
 from tf_memguard._memory_model import StepModel, StepModels
@@ -38,6 +39,9 @@ RECORDED_EPOCHS = 2
 # (with four, the README's CNN's step was recorded with fewer, and 237 was suggested
 # where 233 ran out; with eight, 223-229).
 NESTED_BATCHES = 8
+# Short fit() runs of its own per run: one for the second size, or after an OOM the
+# half and eighth sizes, a predicted size and one halfway (model_after_oom).
+MAX_NESTED_RUNS = 4
 
 
 class StepSampler:
@@ -68,9 +72,11 @@ class StepSampler:
             if 0 < last < self.b0:
                 self.partial = last
         self._recording = None    # "first", "template" or "other", while a step is recorded
-        self._lone_steps = 0
+        self._nested_runs = 0
         self._model = None
         self.too_large = 1 << 62  # the smallest batch size known not to fit
+        self.cap = 1 << 62        # the largest the advice may name (model_after_oom)
+        self.after_oom = []       # the sizes of the short fit() runs after an OOM that completed
 
     # -- fit()'s hooks -----------------------------------------------------------------
 
@@ -156,17 +162,18 @@ class StepSampler:
         if self.tf:
             _core.set_profile_batch(size)
 
-    def _nested(self, model, size, exclude_batch=None):
-        """A short fit() of its own at `size` (its second step recorded), on enough of the
-        first samples for its pipeline to fill (NESTED_BATCHES batches and one sample more,
-        so that the last batch is partial and the step runs the trace for an unknown batch
-        dimension); its blocks live at the start lose its own copy of those samples (the
-        run's full copy stands for the retry's) and, with `exclude_batch`, the batches the
-        failed fit() had prepared at that size. None when it could not be recorded."""
-        if self.x is None or self._lone_steps >= 3:
+    def _nested(self, model, size, all_samples=False):
+        """A short fit() of its own at `size` (its second step recorded). By default on
+        enough of the first samples for its pipeline to fill (NESTED_BATCHES batches and
+        one sample more, so that the last batch is partial and the step runs the trace for
+        an unknown batch dimension), its own copy of them left out of the blocks live at
+        the start (the run's full copy stands for the retry's). With `all_samples`, on all
+        of them, as a retry would run: its copy is the retry's. None when it could not be
+        recorded."""
+        if self.x is None or self._nested_runs >= MAX_NESTED_RUNS:
             return None
-        self._lone_steps += 1
-        samples = min(self.n or NESTED_BATCHES * size + 1, NESTED_BATCHES * size + 1)
+        self._nested_runs += 1
+        samples = None if all_samples else min(self.n or NESTED_BATCHES * size + 1, NESTED_BATCHES * size + 1)
         try:
             trace = _recording.fit_steps(model, self.x, self.y, size, self.recorder, samples=samples)
         except Exception as e:  # noqa: BLE001 - the model of the step must never stop the training
@@ -175,13 +182,10 @@ class StepSampler:
             return None
         finally:
             self.pool.reset_peak()
-        if trace is None:
-            return None
+        if trace is None or all_samples:
+            return trace
         align = int(trace.layout.get("alignment", 64))
-        trace = _recording.without_blocks(trace, self._batch_sizes(samples, align), kind="input")
-        if exclude_batch:
-            trace = _recording.without_blocks(trace, self._batch_sizes(exclude_batch, align), tagged=True)
-        return trace
+        return _recording.without_blocks(trace, self._batch_sizes(samples, align), kind="input")
 
     # -- the model ---------------------------------------------------------------------
 
@@ -212,72 +216,78 @@ class StepSampler:
         return out
 
     def method(self):
+        if self.after_oom:
+            what = ("the memory model of short fit() runs after the out-of-memory error at " +
+                    ", ".join(str(b) for b in self.after_oom) + f" (refused at {self.b0})")
+            return what + (f"; the largest that completed, the model having been refused at {self.too_large}"
+                           if self.cap < self.too_large else "")
         sizes = [t.batch_size for t in (self.template or self.first, self.other) if t is not None]
         what = "the memory model of steps at " + " and ".join(str(b) for b in sizes)
         return what + (f" (kept free for other steps' peaks: {self._model.spread_bytes >> 20} MiB)"
                        if self._model is not None and self._model.spread_bytes >= 1 << 20 else "")
 
+    def after_oom_needs_steps(self):
+        """True when the advice after the refused step needs steps of its own (array data,
+        and no complete step recorded at the failed size); else model_after_oom() is the
+        recorded steps' model."""
+        return self.x is not None and self.prefix is not None and self.template is None
+
     def model_after_oom(self, model):
-        """After a refused step: the StepModel, from short fit() runs of its own at smaller
-        sizes (b0 // 2, or b0 // 8 where that is refused too, then near where the first says
-        the limit is), with the failed fit()'s copy of the data standing for the retry's and
-        the batches its pipeline had prepared at b0 left out. The failed step up to its
-        refusal is the run's first step, and must fit too. After these runs the retry runs
-        the trace for an unknown batch dimension whatever its size: the models hold for
-        every size. None when no complete step could be had."""
-        if self.x is None or self.prefix is None:
+        """After a refused step: the StepModel, from short fit() runs of its own on all the
+        samples at smaller sizes, run once the failed fit()'s data is out of the pool (its
+        exception released): at b0 // 2 (b0 // 8 where that is refused too), then at the
+        size the model of the step that completed says fits, each completed step becoming
+        the model's new template. A run that is refused there shows the model wrong near
+        that size: the next is halfway between the largest size that completed and it, and
+        the advice then names the largest size that completed (advice_cap). The failed
+        step up to its refusal is the retry's first step, and must fit too. None when no
+        complete step could be had."""
+        if not self.after_oom_needs_steps():
             return self.model()
         failed = StepModel.build(self.prefix, None, first=True)
-        half = max(1, self.b0 // 2)
-        first = self._nested(model, half, exclude_batch=self.b0)
-        if first is None or not first.complete:  # None: refused in its first step
-            self.too_large = min(self.too_large, half)
-            first = self._nested(model, max(1, self.b0 // 8), exclude_batch=self.b0)
-        if first is None or not first.complete:
-            return None
+        good = None
+        for size in dict.fromkeys((max(1, self.b0 // 2), max(1, self.b0 // 8), 1)):
+            if size >= self.too_large:
+                continue
+            good = self._nested(model, size, all_samples=True)
+            if good is not None and good.complete:
+                self.after_oom.append(size)
+                break
+            self.too_large = min(self.too_large, size)
+            good = None
+        if good is None:
+            # Not even a batch of 1 ran: none fits (advice_cap is 0), and the failed step
+            # says what a batch of 1 would need at least.
+            self._model = StepModels([failed])
+            return self._model if self.too_large == 1 else None
         budget = self.pool.stats()["bytes_limit"]
-        m1 = StepModels([StepModel.build(first, self.prefix), failed])
-        size = min(m1.largest_fitting(budget, at_most=self.n), self.too_large - 1)
-        if size <= first.batch_size:
-            self._model = m1
-            return m1
-        second = self._nested(model, size, exclude_batch=self.b0)
-        if second is not None and second.complete:
-            self._model = StepModels([StepModel.build(second, first), failed])
-        else:
-            self.too_large = min(self.too_large, size)  # its steps were refused: smaller than that
-            self._model = m1
-        return self._model
+        # One size only: every block that is not batch-shaped is taken as proportional above
+        # it, which can only overstate the need; the next size corrects it.
+        current = StepModels([StepModel.build(good, None), failed])
+        refused = False
+        while self._nested_runs < MAX_NESTED_RUNS:
+            if refused:
+                size = (good.batch_size + self.too_large) // 2
+            else:
+                size = min(current.largest_fitting(budget, at_most=self.n), self.too_large - 1)
+            if size <= good.batch_size:
+                break
+            trace = self._nested(model, size, all_samples=True)
+            if trace is not None and trace.complete:
+                current = StepModels([StepModel.build(trace, good), failed])
+                good = trace
+                self.after_oom.append(size)
+            else:
+                self.too_large = min(self.too_large, size)
+                refused = True
+        if refused:
+            # A size the model said fits was refused: near there the model is not to be
+            # trusted, and only what completed counts.
+            self.cap = good.batch_size
+        self._model = current
+        return current
 
-    def _lone(self, model, size):
-        """A lone step at `size` without its own input batch (fit()'s batches come from its
-        pipeline, counted from the failed step), or None."""
-        if self.x is None or self._lone_steps >= 3:
-            return None
-        self._lone_steps += 1
-        try:
-            trace = _recording.lone_step(model, self.x, self.y, size, self.recorder)
-        except Exception as e:  # noqa: BLE001 - the explanation must never hide the error
-            warnings.warn(f"tf_memguard: a step at batch size {size} for the memory model failed "
-                          f"({type(e).__name__}: {e}); the advice uses what was recorded", stacklevel=3)
-            return None
-        return _recording.without_inputs(trace, self.x, self.y) if trace is not None else None
-
-    def _prepared_batches(self, prefix):
-        """(sizes, flags) of the input batches live when the step was refused that the step
-        itself allocated, what fit()'s pipeline had prepared (blocks tagged batch-shaped of
-        exactly a batch of one of the arrays), and one more: the pipeline refills its buffer
-        while a step runs (the README's CNN: 3 input batches live at every step's start, a
-        4th made during the step)."""
-        batch = set(self._batch_sizes(prefix.batch_size, int(prefix.layout.get("alignment", 64))))
-        live = {}
-        for op, addr, size, flags in zip(prefix.op.tolist(), prefix.address.tolist(), prefix.size.tolist(),
-                                         prefix.flags.tolist()):
-            if op == 1:
-                live.pop(addr, None)
-            elif op != 2:
-                live[addr] = (size, flags)
-        found = [(z, f) for z, f in live.values() if f & _core.ALLOC_BATCH and z in batch]
-        if found:
-            found.append(max(found))
-        return np.array([z for z, _ in found], dtype=np.uint64), np.array([f for _, f in found], dtype=np.uint32)
+    def advice_cap(self):
+        """The largest batch size the advice may name: below the smallest known not to fit,
+        and after an OOM whose model was shown wrong, the largest whose step completed."""
+        return min(self.too_large - 1, self.cap)

@@ -327,7 +327,7 @@ def child(mode, budget):
     if mode == "oom":
         smp = getattr(callbacks[-1], "_sampler", None)
         out["sampler"] = None if smp is None else {
-            "prefix": smp.prefix is not None, "lone_steps": smp._lone_steps, "too_large": smp.too_large,
+            "prefix": smp.prefix is not None, "nested_runs": smp._nested_runs, "too_large": smp.too_large,
             "template": smp.template is not None, "first": smp.first is not None}
     gc.collect()
     try:
@@ -343,7 +343,14 @@ def child(mode, budget):
     if mode == "naive":
         return out
     rep = tf_memguard.report()
-    out["suggested"] = rep.suggested_batch_size if rep else None
+    t = time.perf_counter()
+    out["suggested"] = rep.suggested_batch_size if rep else None   # worked out now (after the except block)
+    out["suggestion_seconds"] = time.perf_counter() - t
+    out["suggestion_method"] = rep.suggestion_method if rep else None
+    smp = getattr(callbacks[-1], "_sampler", None)
+    if smp is not None:
+        out["after_oom_completed"] = list(smp.after_oom)
+        out["after_oom_too_large"] = smp.too_large
     if out["suggested"]:
         try:
             hist = model.fit(x, y, batch_size=out["suggested"], epochs=1, verbose=0,

@@ -126,13 +126,15 @@ def _oom_run():
         usable = all(np.isfinite(w).all() for w in m.get_weights())
         gc.collect()
         size = tf_memguard.report().suggested_batch_size
+        advice, method = tf_memguard.report().advice, tf_memguard.report().suggestion_method
         oom = tf_memguard.report().oom
         try:
             retry = m.fit(x, y, batch_size=size, epochs=2, verbose=0, callbacks=[cb]).history["loss"][-1]
         except tf.errors.ResourceExhaustedError:
             retry = None
         s = tf_memguard.stats()
-        emit(notes=notes, usable=usable, size=size, oom=oom, retry_loss=retry, limit=s["bytes_limit"],
+        emit(notes=notes, usable=usable, size=size, advice=advice, method=method, oom=oom, retry_loss=retry,
+             limit=s["bytes_limit"],
              peak_reserved=s["peak_bytes_reserved"])
     """, env=HARD)
 
@@ -143,9 +145,12 @@ def test_oom_is_explained_and_reported_and_the_process_goes_on():
     d = r.data
     assert d["notes"] is not None
     for part in ("tf_memguard: CPU:0: cannot allocate", "of the 128 MiB budget in use", "largest free block",
-                 "In use: ", "the step's tensors", "Keras' copy of the data", "Reduce the batch size to",
-                 "(now 1024)"):
+                 "In use: ", "the step's tensors", "Keras' copy of the data", "Reduce the batch size (now 1024)",
+                 "tf_memguard.report().suggested_batch_size", "Retry after the except block"):
         assert part in d["notes"], d["notes"]
+    # Read after the except block, the report has the size, and how it was found.
+    assert 0 < d["size"] < 1024 and "Reduce the batch size to" in d["advice"], d
+    assert "short fit() runs after the out-of-memory error" in d["method"], d
     # The largest free block it names is one the budget could back (regions are address
     # space, twice the budget).
     from tf_memguard._units import parse_bytes
@@ -180,9 +185,10 @@ def test_no_batch_size_fits_when_the_fixed_part_fills_the_budget():
     """, env=HARD)
     assert r.returncode == 0, r
     d = r.data
-    assert d["notes"] and "No batch size fits the 24.0 MiB budget" in d["notes"], d
-    need = re.search(r"Pass max_bytes of at least ([\d.]+ [KMG]iB)", d["notes"])
-    assert need, d["notes"]
+    assert d["notes"] and "tf_memguard.report().suggested_batch_size" in d["notes"], d
+    assert "No batch size fits the 24.0 MiB budget" in d["text"], (d["suggested"], d["text"])
+    need = re.search(r"Pass max_bytes of at least ([\d.]+ [KMG]iB)", d["text"])
+    assert need, d["text"]
     from tf_memguard._units import parse_bytes
     assert parse_bytes(need.group(1).replace(" ", ""), 0) > 24 << 20
     assert d["suggested"] == 0 and "no batch size fits the budget" in d["text"]

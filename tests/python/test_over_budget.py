@@ -53,22 +53,32 @@ def test_eager_op_over_budget_raises_resource_exhausted():
     check_refused(r)
 
 
-def test_numpy_conversion_over_budget_is_granted_as_overshoot():
+def test_numpy_conversion_over_budget_is_granted_as_overshoot_and_counts_against_the_budget():
     r = run("""
+        import gc
         import numpy as np, tensorflow as tf, tf_memguard
         tf_memguard.install(max_bytes="16MiB")
         # Misaligned for TensorFlow (64 bytes), so it copies through the allocator
         # instead of adopting numpy's buffer.
         a = np.ones(64 * 1024 * 1024 + 1, dtype=np.float32)[1:]
         assert a.ctypes.data % 64 != 0
-        t = tf.constant(a)
-        outcome = "ok" if float(tf.reduce_sum(t[:1024])) == 1024.0 else "wrong"
+        t = tf.constant(a)              # cannot be refused: granted over the budget
+        over_in_use = tf_memguard.stats()["overshoot_in_use_by_kind"]["input"]
+        try:                            # the account is over the budget: a kernel's request is refused
+            float(tf.reduce_sum(t[:1024]))
+            while_held = "ok"
+        except tf.errors.ResourceExhaustedError:
+            while_held = "refused"
+        del t; gc.collect()
+        after = "ok" if float(tf.reduce_sum(tf.ones([1024]))) == 1024.0 else "wrong"
+        outcome = dict(after=after, over_in_use=over_in_use, while_held=while_held)
     """, REPORT, env=HARD)
     assert r.returncode == 0, r
-    assert r.data["outcome"] == "ok"
-    # TF_NewTensor's copy is a 2-argument AllocateRaw: kind "raw".
-    assert r.data["overshoot"]["raw"] + r.data["overshoot"]["tensor"] >= 64 * 1024 * 1024 * 4
-    assert r.data["refusals"] == 0
+    d = r.data["outcome"]
+    assert d["after"] == "ok"                              # the process goes on once it is freed
+    assert d["over_in_use"] >= 64 * 1024 * 1024 * 4      # counted, as numpy's values
+    assert d["while_held"] == "refused"
+    assert r.data["refusals"] >= 1
     assert r.data["peak_reserved"] <= r.data["limit"]
 
 

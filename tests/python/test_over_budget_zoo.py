@@ -40,14 +40,16 @@ def take(data, k):
     reps = -(-k // n)
     return keras.tree.map_structure(lambda a: np.concatenate([a] * reps)[:k], data)
 results = []
+# One model for every mode, each call on the model the failures before it left: a model
+# made and dropped per call would not do, since TensorFlow 2.21 keeps about 20 MB of each
+# dead model that has been fit (its process grows by that much per model without
+# tf_memguard too: benchmarks/NOTES.md), and a tight budget fills up with them.
 for mode in {modes!r}:
+    if mode == "jit_compile":
+        m.compile(m.optimizer, m.loss, jit_compile=True)
     for factor in (1, 3, 10):
         b = limit * factor
         gc.collect()
-        m = make()
-        if mode == "jit_compile":
-            m.compile(m.optimizer, m.loss, jit_compile=True)
-        m.optimizer.build(m.trainable_variables)
         xs, ys = take(x, 2 * b), take(y, 2 * b)
         gc.collect()
         pool.clear_stats()   # the peak from here (MemGuardCallback resets only its window)
@@ -85,7 +87,6 @@ for mode in {modes!r}:
             del e
         results.append(dict(mode=mode, batch=b, outcome=outcome, peak=peak, before=before, after=after,
                             usable=usable, reserved=s["peak_bytes_reserved"], budget=budget, granted=granted))
-        del m
 emit(limit=limit, results=results)
 """
 
@@ -103,9 +104,15 @@ def test_the_budget_holds_for_every_mode_and_batch_size(name):
         # The account passes the budget only by what could not be refused (XLA's buffers),
         # each grant reported by kind.
         assert row["peak"] <= row["budget"] + sum(row["granted"].values()), where
+        # Kernels' requests are always refused (oneDNN is off); XLA's buffers are granted
+        # only under jit_compile. What else can be granted is the README's table: numpy
+        # made into tensors, tf.data's handles and copies, constants' copies.
+        assert "kernel" not in row["granted"], where
         if row["mode"] != "jit_compile":
-            assert set(row["granted"]) <= {"input"}, where   # numpy made into tensors, if anything
-        # Nothing stays behind once the failed call's objects are collected.
-        assert abs(row["after"] - row["before"]) <= 1 << 20, where
+            assert "xla" not in row["granted"], where
+        # Nothing stays behind once the failed call's objects are collected (a call that
+        # succeeded may leave what it made: its trace's constants, the optimizer's state).
+        if row["outcome"] != "ok":
+            assert abs(row["after"] - row["before"]) <= 1 << 20, where
     # At ten times the largest size that fits, training does not fit.
     assert any(row["outcome"] != "ok" for row in rows if row["mode"] == "fit" and row["batch"] >= 10 * r.data["limit"])

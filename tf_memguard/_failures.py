@@ -1,0 +1,121 @@
+"""What MemGuardCallback does when a run fails: an out-of-memory error explained (the
+suggestion worked out from steps of its own once the failed fit()'s data is out of the
+pool), a constant the pool refused turned into that error, a run over the budget through
+requests that cannot be refused stopped, and anything left switched on put back."""
+import warnings
+import weakref
+
+from tf_memguard import _advice, _backend, _core, _guard, _oom
+from tf_memguard._errors import budget_exceeded_error
+from tf_memguard._units import format_bytes
+
+# After a failure and gc.collect(), the pool is back to what was in use before fit() to
+# within this (the budget-integrity tests' bound): more means the failed fit()'s data is
+# still held.
+HELD_AFTER_FAILURE = 1 << 20
+
+
+def _after_oom_resolver(callback):
+    """The report's pending suggestion: `callback`'s, if it still exists (a weak reference:
+    a report kept must not keep the model alive)."""
+    ref, sampler = weakref.ref(callback), weakref.ref(callback._sampler)
+
+    def resolve(report):
+        cb = ref()
+        if cb is not None and cb._sampler is not None and cb._sampler is sampler():  # not a later run's
+            cb._resolve_after_oom(report)
+    return resolve
+
+
+
+class FailureHandling:
+    """MemGuardCallback's failure half (a mixin: it uses the callback's run state, _pool,
+    _sampler, _start, _budget, _run_batch, _suggest() and _finish())."""
+
+    def _unwrap_train_function(self):
+        _guard.unwrap(self.model, getattr(self, "_wrapped", None))
+        self._wrapped = None
+        self._run_token = None
+
+    def _end_abruptly(self):
+        """A run ended by an exception (KeyboardInterrupt too): nothing stays switched on."""
+        if self._sampler:
+            self._sampler.train_end()
+        _core.set_profile_batch(0)
+        self._unwrap_train_function()
+
+    def _constant_refused(self, error, refusals_before):
+        """The note when TensorFlow could not build the step because the pool refused a
+        constant ('Cannot parse tensor from proto'), else None."""
+        if _backend.framework() != "tensorflow" or "Cannot parse tensor from proto" not in str(error):
+            return None
+        refusal = self._pool.last_refusal()
+        if refusal is None or refusal["kind"] != "constant" or self._pool.stats()["num_refusals"] <= refusals_before:
+            return None
+        self._oom = _oom.constant_refused(self._device, refusal, self._suggestion, self._run_batch)
+        self._finish()
+        return self._oom
+
+    def _explain_oom(self, error):
+        if self._sampler:
+            self._sampler.failed_step()
+        _core.set_profile_batch(0)
+        self._unwrap_train_function()
+        refusal = self._pool.last_refusal()
+        ours = refusal is not None and self._start["num_refusals"] < self._pool.stats()["num_refusals"]
+        suggestion = pending = None
+        if not ours:
+            message = _oom.not_in_the_pool(self._device, _backend.framework_name())
+        else:
+            if self._sampler and self._budget:
+                if self._sampler.after_oom_needs_steps():
+                    # Steps run now would meet the failed fit()'s data and batches, which
+                    # the retry will not: the size is worked out when first read.
+                    pending = _after_oom_resolver(self)
+                else:
+                    suggestion = self._suggest(below=self._sampler.advice_cap() + 1)
+            if suggestion is not None:
+                self._suggestion = suggestion
+            message = _oom.explain(self._device, refusal, suggestion, self._run_batch, deferred=pending is not None)
+        self._oom = message
+        note = "tf_memguard: " + message
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+        else:  # Python < 3.11
+            error._message = f"{error.message}\n\n{note}"
+        self._finish(pending)
+
+    def _resolve_after_oom(self, report):
+        """Works out the suggestion after an out-of-memory error (report's pending fields)."""
+        held = self._pool.stats()["bytes_in_use"] - self._start["bytes_in_use"]
+        if held > HELD_AFTER_FAILURE:
+            warnings.warn(f"tf_memguard: the suggestion is read while {format_bytes(held)} more than before the "
+                          "failed fit() is in use (inside the except block, or before gc.collect()): it is worked "
+                          "out with that memory taken, and may be smaller than what fits", stacklevel=4)
+        suggestion = None
+        try:
+            model = self._sampler.model_after_oom(self.model)
+            if model is not None:
+                suggestion = self._suggest(model, below=self._sampler.advice_cap() + 1)
+        except Exception as e:  # noqa: BLE001 - reading the report must not fail
+            warnings.warn(f"tf_memguard: no batch size could be worked out after the out-of-memory error "
+                          f"({type(e).__name__}: {e})", stacklevel=4)
+            model = None
+        finally:
+            self._sampler.train_end()
+        if suggestion is not None:
+            self._suggestion = suggestion
+        report.suggested_batch_size = suggestion.batch_size if suggestion else None
+        report.suggestion_method = suggestion.method if suggestion else ""
+        report.advice = _advice.advice_sentence(suggestion, self._run_batch) if suggestion else ""
+        report.memory_model = model.to_dict() if model is not None else report.memory_model
+
+    def _stop_for_overshoot(self, kind, stats):
+        over = stats["overshoot_bytes_by_kind"][kind]
+        self._over_counts[kind] = stats["overshoots_by_kind"][kind]
+        self._end_abruptly()
+        self._oom = _oom.overshoot_stop(self._device, kind, over, self._budget, self._monitor.global_step,
+                                        self._suggest(), self._run_batch)
+        self._finish()
+        raise budget_exceeded_error()("tf_memguard: " + self._oom)
+
