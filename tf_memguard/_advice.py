@@ -35,11 +35,14 @@ class Suggestion:
         return self.batch_size == 0
 
 
-def suggest(model, budget, running=None, at_most=None, method=""):
+def suggest(model, budget, running=None, at_most=None, method="", at_least=0):
     """The Suggestion of `model` (a StepModel) for `budget` bytes; `running`: the batch
     size in use (its budget is worked out too when it does not fit); `at_most`: the
-    samples there are (no batch is larger)."""
+    samples there are (no batch is larger); `at_least`: a size known to fit (a step of it
+    completed under the budget), which the answer never goes below."""
     size = model.largest_fitting(budget, at_most=at_most)
+    if at_least and (at_most is None or at_least <= at_most):
+        size = max(size, at_least)
     peak = model.need(size)["peak_account"] if size else 0
     # Where none fits, a batch of 1 needs more than the budget, whatever a model made from a
     # refused step alone says.

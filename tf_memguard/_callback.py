@@ -193,7 +193,7 @@ class MemGuardCallback(FailureHandling, keras.callbacks.Callback):
 
     # -- advice --------------------------------------------------------------------------
 
-    def _suggest(self, model=None, below=None):
+    def _suggest(self, model=None, below=None, at_least=0):
         """The Suggestion of the memory model for the budget (with `below`: smaller than
         that, a size known not to fit), or None."""
         if not self._budget or not self._sampler:
@@ -205,7 +205,7 @@ class MemGuardCallback(FailureHandling, keras.callbacks.Callback):
             return None
         at_most = self._n if below is None else min(self._n or below - 1, below - 1)
         return _advice.suggest(model, self._budget, running=self._run_batch, at_most=at_most,
-                               method=self._sampler.method())
+                               method=self._sampler.method(), at_least=at_least)
 
     # -- the report ----------------------------------------------------------------------
 

@@ -96,7 +96,8 @@ class FailureHandling:
         try:
             model = self._sampler.model_after_oom(self.model)
             if model is not None:
-                suggestion = self._suggest(model, below=self._sampler.advice_cap() + 1)
+                suggestion = self._suggest(model, below=self._sampler.advice_cap() + 1,
+                                           at_least=self._sampler.advice_floor())
         except Exception as e:  # noqa: BLE001 - reading the report must not fail
             warnings.warn(f"tf_memguard: no batch size could be worked out after the out-of-memory error "
                           f"({type(e).__name__}: {e})", stacklevel=4)

@@ -6,13 +6,20 @@ from tf_memguard._recording import Snapshot, StepRecorder, abort_all, fit_steps
 from tf_memguard._units import format_bytes, parse_bytes
 
 
+# The steps the last call recorded (StepTraces, None for a step refused in its first),
+# for diagnosis (benchmarks/gpu/keras_torch.py keeps them).
+last_steps = []
+
+
 def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, start=None):
     """The largest batch size whose training step fits the budget, by the memory model.
 
-    Two short runs of fit() (two steps each: the first traces the step for its batch size,
+    Short runs of fit() (two steps each: the first traces the step for its batch size,
     the second is recorded as the pool sees it, with fit()'s own pipeline and copy of the
-    data) at two batch sizes: a small one (`start`, default 32 or fewer samples), then
-    where the first says the limit is. Every block of the step becomes a line in the batch
+    data): at a small size (`start`, default 32 or fewer samples), then where the model
+    of the steps that completed says the limit is, as `steps` allow. A size that is
+    refused shows the model wrong near it: the next run is halfway to it, and the answer
+    the largest size that completed. Every block of the step becomes a line in the batch
     size, and the step scaled to a candidate size is replayed through the pool's own code
     (benchmarks/NOTES.md, "How the advice works"); the answer is the largest size whose
     replay fits. The model's weights and optimizer state are restored exactly afterwards;
@@ -73,16 +80,33 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
             need = f"; it needs more than {format_bytes(m.need(b1)['peak_account'])}" if m else ""
             raise _core.OutOfBudgetError(f"find_batch_size: not even a batch of {b1} fits the {format_bytes(budget)} "
                                          f"budget with this data{need}; pass a larger max_bytes or a smaller start")
-        m = StepModel.build(first, None)
-        size = m.largest_fitting(budget, at_most=n)
-        if steps >= 4 and size > b1:
-            second = fit_steps(model, x, y, size, recorder)
+        # Each next size is where the model of the steps that completed says the limit is;
+        # after a refusal there (the model wrong near it), halfway to it, and the answer is
+        # then the largest size that completed.
+        good, current = first, StepModel.build(first, None)
+        too_large, refused, used = n + 1, False, 2
+        last_steps.clear()
+        last_steps.append(first)
+        while used + 2 <= steps:
+            if refused:
+                size = (good.batch_size + too_large) // 2
+            else:
+                size = min(current.largest_fitting(budget, at_most=n), too_large - 1)
+            if size <= good.batch_size:
+                break
+            trace = fit_steps(model, x, y, size, recorder)
             snapshot.restore()
-            if second is not None and second.complete:
-                m = StepModel.build(second, first)
-            elif second is not None:
-                m = StepModel.build(first, second)
-            size = m.largest_fitting(budget, at_most=n)
+            used += 2
+            last_steps.append(trace)
+            if trace is not None and trace.complete:
+                lower, good = good, trace
+                current = StepModel.build(good, lower)
+            else:
+                too_large, refused = size, True
+        if refused:
+            size = good.batch_size
+        else:
+            size = max(good.batch_size, min(current.largest_fitting(budget, at_most=n), too_large - 1))
     finally:
         abort_all()
         snapshot.restore()

@@ -244,7 +244,6 @@ class StepSampler:
         complete step could be had."""
         if not self.after_oom_needs_steps():
             return self.model()
-        failed = StepModel.build(self.prefix, None, first=True)
         good = None
         for size in dict.fromkeys((max(1, self.b0 // 2), max(1, self.b0 // 8), 1)):
             if size >= self.too_large:
@@ -258,12 +257,18 @@ class StepSampler:
         if good is None:
             # Not even a batch of 1 ran: none fits (advice_cap is 0), and the failed step
             # says what a batch of 1 would need at least.
-            self._model = StepModels([failed])
+            self._model = StepModels([StepModel.build(self.prefix, None, first=True)])
             return self._model if self.too_large == 1 else None
+
+        def failed():
+            # The failed step up to its refusal, its blocks lined up with a complete step's
+            # (without that second size, on PyTorch, whose blocks carry no batch tag, none
+            # of them would shrink with the batch).
+            return StepModel.build(self.prefix, good, first=True)
         budget = self.pool.stats()["bytes_limit"]
         # One size only: every block that is not batch-shaped is taken as proportional above
         # it, which can only overstate the need; the next size corrects it.
-        current = StepModels([StepModel.build(good, None), failed])
+        current = StepModels([StepModel.build(good, None), failed()])
         refused = False
         while self._nested_runs < MAX_NESTED_RUNS:
             if refused:
@@ -274,8 +279,8 @@ class StepSampler:
                 break
             trace = self._nested(model, size, all_samples=True)
             if trace is not None and trace.complete:
-                current = StepModels([StepModel.build(trace, good), failed])
-                good = trace
+                lower, good = good, trace
+                current = StepModels([StepModel.build(good, lower), failed()])
                 self.after_oom.append(size)
             else:
                 self.too_large = min(self.too_large, size)
@@ -286,6 +291,11 @@ class StepSampler:
             self.cap = good.batch_size
         self._model = current
         return current
+
+    def advice_floor(self):
+        """The smallest batch size the advice may name after an OOM: the largest whose
+        step completed in the short runs (it ran, as the retry will, on all the data)."""
+        return max(self.after_oom, default=0)
 
     def advice_cap(self):
         """The largest batch size the advice may name: below the smallest known not to fit,

@@ -230,6 +230,33 @@ def _advice(budget):
     return result
 
 
+def _find_traces(out, budget):
+    """find_batch_size's two recorded steps, kept (TRACES_OUT) to replay offline: the steps
+    at 32 and at the first model's answer, and each model's answer."""
+    import tf_memguard
+    from tf_memguard._memory_model import StepModel
+    from tf_memguard._recording import Snapshot, StepRecorder, fit_steps
+    tf_memguard.install(max_bytes=budget, device="cuda:0")
+    x, y = _data()
+    model = _model()
+    pool = tf_memguard.device_pool("cuda:0")
+    snap, rec = Snapshot(model), StepRecorder(pool)
+    first = fit_steps(model, x, y, 32, rec)
+    snap.restore()
+    m1 = StepModel.build(first, None)
+    s1 = m1.largest_fitting(budget, at_most=len(x))
+    second = fit_steps(model, x, y, s1, rec)
+    snap.restore()
+    out.update(budget_bytes=budget, first_size=32, first_complete=first.complete, one_size_answer=s1,
+               second_complete=second is not None and second.complete)
+    if second is not None:
+        m2 = StepModel.build(second, first) if second.complete else StepModel.build(first, second)
+        out["two_size_answer"] = m2.largest_fitting(budget, at_most=len(x))
+    with open(os.environ["TRACES_OUT"], "w") as f:
+        json.dump({"budget": budget, "first": first.to_dict(), "second": second.to_dict() if second else None}, f)
+    return out
+
+
 def child(mode, budget):
     import gc
     out = {"mode": mode}
@@ -240,6 +267,8 @@ def child(mode, budget):
         out["trim_above_peak"] = float(os.environ.get("TF_MEMGUARD_TRIM_ABOVE_PEAK", "0"))
     if mode == "advice":
         return _advice_fit(out, budget)
+    if mode == "traces":
+        return _find_traces(out, budget)
     if mode in ("memguard", "oom", "torch_only", "cublas_memguard"):
         import tf_memguard
         b = {"memguard": 0.5, "oom": budget, "torch_only": 1 << 30, "cublas_memguard": budget}[mode]
@@ -365,6 +394,11 @@ def child(mode, budget):
     size = tf_memguard.find_batch_size(model, x, y)
     out["find_batch_size"] = size
     out["find_batch_size_seconds"] = time.perf_counter() - t
+    from tf_memguard import _find
+    out["find_steps"] = [[t.batch_size, t.complete] if t is not None else None for t in _find.last_steps]
+    if os.environ.get("FIND_STEPS_OUT"):
+        with open(os.environ["FIND_STEPS_OUT"], "w") as f:
+            json.dump([t.to_dict() if t is not None else None for t in _find.last_steps], f)
     try:
         model.fit(x, y, batch_size=size, epochs=1, verbose=0)
         out["find_batch_size_fit_ok"] = True
@@ -406,6 +440,9 @@ def main():
     ap.add_argument("--timing-only", action="store_true",
                     help="only the timed rounds (caching, memguard, memguard_trim): no traced, oom, naive, "
                          "torch_only or cublas runs; writes gpu_keras_torch_timing.json")
+    ap.add_argument("--oom-only", action="store_true",
+                    help="only the out-of-memory scenario and find_batch_size's steps under ADVICE_BUDGET bytes; "
+                         "writes gpu_keras_torch_oom.json and find_traces.json")
     ap.add_argument("--advice-only", action="store_true",
                     help="only the advice check (one memguard run for the budget, then fits at batch sizes "
                          "around the suggestion); writes gpu_keras_torch_advice.json")
@@ -416,6 +453,21 @@ def main():
     args.trim = None if args.trim == "none" else float(args.trim)
     if args.child:
         print(json.dumps(child(args.child, args.budget)), flush=True)
+        return
+
+    if args.oom_only:
+        # The out-of-memory error, its retry and find_batch_size under the budget of the
+        # advice run (ADVICE_BUDGET), and find_batch_size's steps kept to replay offline.
+        budget = int(os.environ["ADVICE_BUDGET"])
+        result = {"oom": run_child("oom", budget, FIND_STEPS_OUT=os.path.join(args.out, "find_steps_after_oom.json")),
+                  "traces": run_child("traces", budget, TRACES_OUT=os.path.join(args.out, "find_traces.json")),
+                  "command": "ADVICE_BUDGET=%d bash benchmarks/gpu/run_keras_torch.sh --oom-only" % budget}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_keras_torch_oom.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        o = result["oom"]
+        print(json.dumps({k: o.get(k) for k in ("suggested", "suggestion_method", "retry_ok", "find_batch_size",
+                                                "find_batch_size_fit_ok")}), json.dumps(result["traces"]))
         return
 
     if args.advice_only:
