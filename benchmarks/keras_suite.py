@@ -50,10 +50,10 @@ def outcomes(xml_path):
 
 def run_suite(src, paths, env_extra, xml_path, timeout):
     env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0",
-               PYTHONPATH=HERE)  # not the sources: their keras/ has no generated API; the tests import the installed Keras of the same version
+               PYTHONPATH=HERE)  # keras_suite_plugin; the sources come first from the working directory
     env.update(env_extra)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml_path}",
-           "-o", "addopts="] + paths
+           "-o", "addopts=", "--continue-on-collection-errors"] + paths  # test modules that need jax or grain
     if env_extra.get("TF_MEMGUARD_SUITE_BUDGET"):
         cmd[3:3] = ["-p", "keras_suite_plugin"]
     t0 = time.time()
