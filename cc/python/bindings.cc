@@ -275,17 +275,24 @@ class Pool {
     return n;
   }
 
-  py::dict trace() {
+  // The trace's events, oldest first, and how many were dropped.
+  std::vector<tfmg_trace_event> trace_events(uint64_t* dropped) {
     tfmg_pool* p = get();
-    uint64_t total = 0, dropped = 0;
+    uint64_t total = 0;
     std::vector<tfmg_trace_event> events;
     call([&] {
       tfmg_status s = tfmg_pool_trace(p, nullptr, 0, &total, nullptr);
       if (s != TFMG_OK) return s;
       events.resize(total);
-      return tfmg_pool_trace(p, events.data(), total, &total, &dropped);
+      return tfmg_pool_trace(p, events.data(), total, &total, dropped);
     });
     events.resize(total);
+    return events;
+  }
+
+  py::dict trace() {
+    uint64_t dropped = 0;
+    std::vector<tfmg_trace_event> events = trace_events(&dropped);
     static const char* const ops[] = {"alloc", "free", "refuse", "overshoot"};
     py::list list;
     for (const auto& e : events) {
@@ -306,16 +313,8 @@ class Pool {
 
   // The trace as arrays (for the memory model): op, size, address, flags.
   py::dict trace_arrays() {
-    tfmg_pool* p = get();
-    uint64_t total = 0, dropped = 0;
-    std::vector<tfmg_trace_event> events;
-    call([&] {
-      tfmg_status s = tfmg_pool_trace(p, nullptr, 0, &total, nullptr);
-      if (s != TFMG_OK) return s;
-      events.resize(total);
-      return tfmg_pool_trace(p, events.data(), total, &total, &dropped);
-    });
-    events.resize(total);
+    uint64_t dropped = 0;
+    std::vector<tfmg_trace_event> events = trace_events(&dropped);
     const auto n = static_cast<py::ssize_t>(events.size());
     py::array_t<uint32_t> op(n), flags(n);
     py::array_t<uint64_t> size(n), address(n), sequence(n);
