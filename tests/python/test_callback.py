@@ -8,7 +8,9 @@ from tfproc import HARD, run
 
 pytestmark = pytest.mark.tf
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(ROOT, "examples")
+BENCH = os.path.join(ROOT, "benchmarks")
 
 SETUP = f"""
 import sys, json
@@ -302,6 +304,45 @@ def test_a_constant_too_large_for_the_budget_is_an_explained_out_of_memory_error
     assert "a constant of 162 MiB did not fit the budget" in d["message"], d["message"]
     assert d["over"] == 0 and d["peak"] <= 160 << 20
     assert abs(d["after"] - d["before"]) <= 1 << 20, d
+
+
+def test_an_oom_at_a_static_batch_size_leaves_no_folded_constants_behind():
+    # A dataset batched with drop_remainder=True has a static batch size, and Grappler folds
+    # batch-shaped zeros into constants that the traced train function holds (116 MB on the
+    # zoo's resnet at 888 under 420 MiB). The OOM must not leave them taking the retry's
+    # memory: the callback drops the trace, and a retry at a smaller size trains.
+    r = run(f"""
+        import gc, sys
+        sys.path.insert(0, {BENCH!r})
+        from zoo import build
+        import tf_memguard
+        tf_memguard.install(max_bytes="420MiB")
+        import tensorflow as tf
+        x, y, make = build("resnet")
+        m = make()
+        pool = tf_memguard.device_pool()
+        before = pool.stats()["bytes_in_use"]
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(888, drop_remainder=True)
+        try:
+            m.fit(ds, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            outcome = "trained"
+        except tf.errors.ResourceExhaustedError as e:
+            outcome = type(e).__name__
+            del e
+        del ds
+        gc.collect()
+        s = pool.stats()
+        after, constants = s["bytes_in_use"], s["bytes_in_use_by_kind"]["constant"]
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(128, drop_remainder=True)
+        h = m.fit(ds, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        emit(outcome=outcome, before=before, after=after, constants=constants, retry=h.history["loss"][-1],
+             peak_reserved=pool.stats()["peak_bytes_reserved"])
+    """, env=HARD, timeout=900)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["outcome"] == "ResourceExhaustedError", d
+    assert d["after"] - d["before"] <= 1 << 20 and d["constants"] <= 1 << 20, d
+    assert d["retry"] > 0 and d["peak_reserved"] <= 420 << 20, d
 
 
 def test_find_batch_size_restores_the_model_exactly_and_its_answer_trains():

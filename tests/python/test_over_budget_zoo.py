@@ -78,7 +78,17 @@ for mode in {modes!r}:
                     if v > s0["overshoot_bytes_by_kind"][k]}}
         del xs, ys, ds
         gc.collect()
-        after = pool.stats()["bytes_in_use"] - pool.stats()["passthrough_bytes_in_use"]
+        s1 = pool.stats()
+        after = s1["bytes_in_use"] - s1["passthrough_bytes_in_use"]
+        constants = s1["bytes_in_use_by_kind"]["constant"] - s0["bytes_in_use_by_kind"]["constant"]
+        dropped = after
+        if mode == "train_on_batch" and outcome != "ok":
+            # train_on_batch traces with static shapes, and Grappler folds batch-shaped
+            # zeros and ones into constants that the cached trace holds (MemGuardCallback
+            # drops the trace after an OOM in fit(); here nothing does): dropping it frees them.
+            m.train_function = None
+            gc.collect()
+            dropped = pool.stats()["bytes_in_use"] - pool.stats()["passthrough_bytes_in_use"]
         try:
             out = m.predict(take(x, 2), verbose=0)
             usable = bool(all(np.isfinite(o).all() for o in keras.tree.flatten(out)))
@@ -86,7 +96,8 @@ for mode in {modes!r}:
             usable = f"{{type(e).__name__}} with {{ {{k: v for k, v in pool.stats()['bytes_in_use_by_kind'].items() if v}} }}"
             del e
         results.append(dict(mode=mode, batch=b, outcome=outcome, peak=peak, before=before, after=after,
-                            usable=usable, reserved=s["peak_bytes_reserved"], budget=budget, granted=granted))
+                            usable=usable, reserved=s["peak_bytes_reserved"], budget=budget, granted=granted,
+                            constants=constants, dropped=dropped))
 emit(limit=limit, results=results)
 """
 
@@ -112,7 +123,12 @@ def test_the_budget_holds_for_every_mode_and_batch_size(name):
             assert "xla" not in row["granted"], where
         # Nothing stays behind once the failed call's objects are collected (a call that
         # succeeded may leave what it made: its trace's constants, the optimizer's state).
-        if row["outcome"] != "ok":
+        if row["outcome"] != "ok" and row["mode"] != "train_on_batch":
             assert abs(row["after"] - row["before"]) <= 1 << 20, where
+        if row["outcome"] != "ok" and row["mode"] == "train_on_batch":
+            # What stays is the failed trace's constants, and it goes with the trace (with an
+            # earlier trace's too, which is why this bound is one-sided).
+            assert row["after"] - row["before"] - row["constants"] <= 1 << 20, where
+            assert row["dropped"] - row["before"] <= 1 << 20, where
     # At ten times the largest size that fits, training does not fit.
     assert any(row["outcome"] != "ok" for row in rows if row["mode"] == "fit" and row["batch"] >= 10 * r.data["limit"])
