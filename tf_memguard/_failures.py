@@ -16,14 +16,17 @@ HELD_AFTER_FAILURE = 1 << 20
 
 
 def _after_oom_resolver(callback):
-    """The report's pending suggestion: `callback`'s, if it still exists (a weak reference:
-    a report kept must not keep the model alive)."""
-    ref, sampler = weakref.ref(callback), weakref.ref(callback._sampler)
+    """The report's pending suggestion, worked out by `callback` on its model if the model
+    still exists. The callback is held: one made inline (`callbacks=[MemGuardCallback()]`)
+    has no other reference once fit() has raised, and with a weak one the report had no
+    suggestion. The model is not: a report kept must not keep it alive, so the callback
+    lets go of it too (Keras gives it the model again at its next fit())."""
+    model, sampler = weakref.ref(callback.model), callback._sampler
 
     def resolve(report):
-        cb = ref()
-        if cb is not None and cb._sampler is not None and cb._sampler is sampler():  # not a later run's
-            cb._resolve_after_oom(report)
+        m = model()
+        if m is not None and callback._sampler is sampler:  # not a later run's
+            callback._resolve_after_oom(report, m)
     return resolve
 
 
@@ -98,8 +101,10 @@ class FailureHandling:
         else:  # Python < 3.11
             error._message = f"{error.message}\n\n{note}"
         self._finish(pending)
+        if pending is not None:
+            self._model = None   # see _after_oom_resolver
 
-    def _resolve_after_oom(self, report):
+    def _resolve_after_oom(self, report, keras_model):
         """Works out the suggestion after an out-of-memory error (report's pending fields)."""
         held = self._pool.stats()["bytes_in_use"] - self._start["bytes_in_use"]
         if held > HELD_AFTER_FAILURE:
@@ -108,7 +113,7 @@ class FailureHandling:
                           "out with that memory taken, and may be smaller than what fits", stacklevel=4)
         suggestion = None
         try:
-            model = self._sampler.model_after_oom(self.model)
+            model = self._sampler.model_after_oom(keras_model)
             if model is not None:
                 suggestion = self._suggest(model, below=self._sampler.advice_cap() + 1,
                                            at_least=self._sampler.advice_floor())

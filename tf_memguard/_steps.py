@@ -20,7 +20,8 @@ In a run of fit() at batch size b0 (see MemGuardCallback):
   the sizes that do not divide them (another trace, an unknown batch dimension).
 After an out-of-memory error: the failed step up to its refusal (the first step of the
 retry must fit too), and, once the failed fit()'s data is out of the pool, short fit()
-runs of its own on all the samples at smaller sizes (at most four).
+runs of its own on all the samples at smaller sizes (down by DESCENT to one that
+completes, then at most ASCENT_RUNS up).
 """
 import warnings
 
@@ -39,9 +40,17 @@ RECORDED_EPOCHS = 2
 # (with four, the README's CNN's step was recorded with fewer, and 237 was suggested
 # where 233 ran out; with eight, 223-229).
 NESTED_BATCHES = 8
-# Short fit() runs of its own per run: one for the second size, or after an OOM the
-# half and eighth sizes, a predicted size and one halfway (model_after_oom).
+# Short fit() runs of its own per run for the second size (after an OOM: DESCENT and
+# ASCENT_RUNS).
 MAX_NESTED_RUNS = 4
+# After an OOM at b0 the runs go down from b0 // 2 by this factor until one completes:
+# each refused one costs a step up to its refusal, and the largest that completes is then
+# within this factor of the limit, close enough for the model of its step to say where the
+# limit is (from a batch of 1, the old last resort below b0 // 8, EfficientNetB0's model
+# named 9 where 32 trained).
+DESCENT = 4
+# Runs after an OOM that go up from the size that completed, the model's size then halfway.
+ASCENT_RUNS = 3
 
 
 class StepSampler:
@@ -168,9 +177,9 @@ class StepSampler:
         one sample more, so that the last batch is partial and the step runs the trace for
         an unknown batch dimension), its own copy of them left out of the blocks live at
         the start (the run's full copy stands for the retry's). With `all_samples`, on all
-        of them, as a retry would run: its copy is the retry's. None when it could not be
-        recorded."""
-        if self.x is None or self._nested_runs >= MAX_NESTED_RUNS:
+        of them, as a retry would run: its copy is the retry's (model_after_oom's runs, which
+        its own loops bound, not MAX_NESTED_RUNS). None when it could not be recorded."""
+        if self.x is None or (not all_samples and self._nested_runs >= MAX_NESTED_RUNS):
             return None
         self._nested_runs += 1
         samples = None if all_samples else min(self.n or NESTED_BATCHES * size + 1, NESTED_BATCHES * size + 1)
@@ -235,7 +244,7 @@ class StepSampler:
     def model_after_oom(self, model):
         """After a refused step: the StepModel, from short fit() runs of its own on all the
         samples at smaller sizes, run once the failed fit()'s data is out of the pool (its
-        exception released): at b0 // 2 (b0 // 8 where that is refused too), then at the
+        exception released): at b0 // 2, then down by DESCENT until one completes, then at the
         size the model of the step that completed says fits, each completed step becoming
         the model's new template. A run that is refused there shows the model wrong near
         that size: the next is halfway between the largest size that completed and it. The
@@ -245,7 +254,11 @@ class StepSampler:
         if not self.after_oom_needs_steps():
             return self.model()
         good = None
-        for size in dict.fromkeys((max(1, self.b0 // 2), max(1, self.b0 // 8), 1)):
+        sizes, size = [], self.b0 // 2
+        while size > 1:
+            sizes.append(size)
+            size //= DESCENT
+        for size in sizes + [1]:
             if size >= self.too_large:
                 continue
             good = self._nested(model, size, all_samples=True)
@@ -270,7 +283,7 @@ class StepSampler:
         # it, which can only overstate the need; the next size corrects it.
         current = StepModels([StepModel.build(good, None), failed()])
         refused = False
-        while self._nested_runs < MAX_NESTED_RUNS:
+        for _ in range(ASCENT_RUNS):
             if refused:
                 size = (good.batch_size + self.too_large) // 2
             else:
