@@ -172,6 +172,38 @@ def test_a_retry_at_the_suggested_batch_size_trains_and_the_budget_was_never_rai
     assert r.data["peak_reserved"] <= 128 << 20
 
 
+def test_after_an_oom_far_over_the_limit_the_suggestion_is_as_good_as_near_it():
+    # At 4096 (about 18 times what fits under 128 MiB) the short runs after the OOM go down
+    # from 2048 by DESCENT to a size that completes, then up by the model: the answer is
+    # to be as large as after the OOM at 1024 (oom_run), not a size extrapolated from a
+    # batch of 1, and a retry at it trains.
+    near = oom_run()
+    assert near.returncode == 0 and near.data["size"], near
+    r = run(SETUP, """
+        import gc
+        tf_memguard.install(max_bytes="128MiB")
+        x, y = pattern_images(4096)
+        m = make()
+        try:
+            m.fit(x, y, batch_size=4096, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            outcome = "trained"
+        except tf.errors.ResourceExhaustedError as e:
+            outcome = type(e).__name__
+            del e
+        gc.collect()
+        size, method = tf_memguard.report().suggested_batch_size, tf_memguard.report().suggestion_method
+        retry = m.fit(x, y, batch_size=size, epochs=1, verbose=0,
+                      callbacks=[tf_memguard.MemGuardCallback(verbose=0)]).history["loss"][-1]
+        emit(outcome=outcome, size=size, method=method, retry=retry,
+             peak_reserved=tf_memguard.stats()["peak_bytes_reserved"])
+    """, env=HARD, timeout=900)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["outcome"] == "ResourceExhaustedError", d
+    assert d["size"] >= 0.85 * near.data["size"], (d, near.data["size"])
+    assert d["retry"] > 0 and d["peak_reserved"] <= 128 << 20, d
+
+
 def test_no_batch_size_fits_when_the_fixed_part_fills_the_budget():
     # Conv2DBackpropFilter takes a fixed workspace of about 20 MB whatever the batch size:
     # under 24 MiB nothing fits, and the note says which budget would.
