@@ -14,6 +14,11 @@
 // 4. The smallest budget at which the pool completes each churn trace, by bisection.
 // 5. Managed memory: a pool over cuMemAllocManaged; a kernel writes its blocks, the host
 //    reads them back.
+// With -DTFMG_WITH_CNMEM (and cnmem.cpp built in: run_h200.sh does it when a snapshot of
+// NVIDIA/cnmem is carried in .cnmem/, never committed), CNMeM replays the same traces in
+// the same process: a fixed pool of the budget (CNMEM_FLAGS_CANNOT_GROW), the NULL
+// stream, timed as the pool is (one untimed pass, median of three), and its smallest
+// budget by the same bisection.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,6 +36,9 @@
 #include <vector>
 
 #include "cc/tfmg/c_api.h"
+#ifdef TFMG_WITH_CNMEM
+#include "cnmem.h"
+#endif
 
 #define CUDA_OK(x)                                                                      \
   do {                                                                                  \
@@ -214,6 +222,55 @@ double min_budget_over_peak(const trace& t) {
   return double(hi) / double(t.peak_live);
 }
 
+#ifdef TFMG_WITH_CNMEM
+bool cnmem_start(uint64_t size) {
+  cnmemDevice_t d;
+  std::memset(&d, 0, sizeof d);
+  d.device = 0;
+  d.size = size;
+  return cnmemInit(1, &d, CNMEM_FLAGS_CANNOT_GROW) == CNMEM_STATUS_SUCCESS;
+}
+
+void* cnmem_alloc(uint64_t n) {
+  void* p = nullptr;
+  return cnmemMalloc(&p, n, nullptr) == CNMEM_STATUS_SUCCESS ? p : nullptr;
+}
+
+void cnmem_free(void* p) { cnmemFree(p, nullptr); }
+
+// -1 when the trace does not complete in a pool of `budget`.
+double cnmem_ns(const trace& t, uint64_t budget) {
+  if (!cnmem_start(budget)) return -1.0;
+  bool ok = true;
+  replay_ns(t, cnmem_alloc, cnmem_free, &ok);
+  double r[3];
+  for (double& v : r) v = replay_ns(t, cnmem_alloc, cnmem_free, &ok);
+  cnmemFinalize();
+  return ok ? median3(r[0], r[1], r[2]) : -1.0;
+}
+
+bool cnmem_completes(const trace& t, uint64_t budget) {
+  if (!cnmem_start(budget)) return false;
+  bool ok = true;
+  replay_ns(t, cnmem_alloc, cnmem_free, &ok);
+  cnmemFinalize();
+  return ok;
+}
+
+double cnmem_min_budget_over_peak(const trace& t) {
+  uint64_t lo = t.peak_live, hi = t.peak_live + t.peak_live / 4 + (4u << 20);
+  while (!cnmem_completes(t, hi)) {
+    lo = hi;
+    hi *= 2;
+  }
+  while (hi - lo > t.peak_live / 500) {
+    const uint64_t mid = lo + (hi - lo) / 2;
+    (cnmem_completes(t, mid) ? hi : lo) = mid;
+  }
+  return double(hi) / double(t.peak_live);
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -346,11 +403,20 @@ int main(int argc, char** argv) {
     const bool churn = std::strncmp(name, "churn", 5) == 0;
     const double mb = churn ? min_budget_over_peak(t) : 0.0;
     std::printf("%-12s %12.1f %12.1f %14.1f %14.1f %12.4f\n", name, p_ns, cold_ns, m_ns, a_ns, mb);
+#ifdef TFMG_WITH_CNMEM
+    const double c_ns = cnmem_ns(t, 4 * t.peak_live + (64u << 20));
+    const double cmb = churn ? cnmem_min_budget_over_peak(t) : 0.0;
+    std::printf("%-12s %12.1f %12s %14s %14s %12.4f   (CNMeM)\n", "", c_ns, "", "", "", cmb);
+#endif
     js << (first ? "" : ",\n") << "    \"" << name << "\": {\"ops\": " << t.ops.size() << ", \"peak_live_bytes\": "
        << t.peak_live << ", \"pool_ns_per_op\": " << p_ns << ", \"pool_first_pass_ns_per_op\": " << cold_ns
        << ", \"cuda_malloc_ns_per_op\": " << m_ns
        << ", \"cuda_async_ns_per_op\": " << a_ns;
     if (churn) js << ", \"min_budget_over_peak_live\": " << mb;
+#ifdef TFMG_WITH_CNMEM
+    js << ", \"cnmem_ns_per_op\": " << c_ns;
+    if (churn) js << ", \"cnmem_min_budget_over_peak_live\": " << cmb;
+#endif
     js << "}";
     first = false;
   }
