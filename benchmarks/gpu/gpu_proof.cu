@@ -209,15 +209,18 @@ bool pool_completes(const trace& t, uint64_t budget) {
   return res.failed_at == UINT64_MAX;
 }
 
-double min_budget_over_peak(const trace& t) {
+// The smallest budget (to 0.2% of the peak) at which `completes(t, budget)`, over the
+// trace's peak live bytes.
+template <class Completes>
+double min_budget_over_peak(const trace& t, Completes&& completes) {
   uint64_t lo = t.peak_live, hi = t.peak_live + t.peak_live / 4 + (4u << 20);
-  while (!pool_completes(t, hi)) {
+  while (!completes(t, hi)) {
     lo = hi;
     hi *= 2;
   }
   while (hi - lo > t.peak_live / 500) {
     const uint64_t mid = lo + (hi - lo) / 2;
-    (pool_completes(t, mid) ? hi : lo) = mid;
+    (completes(t, mid) ? hi : lo) = mid;
   }
   return double(hi) / double(t.peak_live);
 }
@@ -257,18 +260,6 @@ bool cnmem_completes(const trace& t, uint64_t budget) {
   return ok;
 }
 
-double cnmem_min_budget_over_peak(const trace& t) {
-  uint64_t lo = t.peak_live, hi = t.peak_live + t.peak_live / 4 + (4u << 20);
-  while (!cnmem_completes(t, hi)) {
-    lo = hi;
-    hi *= 2;
-  }
-  while (hi - lo > t.peak_live / 500) {
-    const uint64_t mid = lo + (hi - lo) / 2;
-    (cnmem_completes(t, mid) ? hi : lo) = mid;
-  }
-  return double(hi) / double(t.peak_live);
-}
 #endif
 
 }  // namespace
@@ -401,11 +392,11 @@ int main(int argc, char** argv) {
         [stream](void* p) { cudaFreeAsync(p, stream); }, &ok2);
     CUDA_OK(cudaStreamSynchronize(stream));
     const bool churn = std::strncmp(name, "churn", 5) == 0;
-    const double mb = churn ? min_budget_over_peak(t) : 0.0;
+    const double mb = churn ? min_budget_over_peak(t, pool_completes) : 0.0;
     std::printf("%-12s %12.1f %12.1f %14.1f %14.1f %12.4f\n", name, p_ns, cold_ns, m_ns, a_ns, mb);
 #ifdef TFMG_WITH_CNMEM
     const double c_ns = cnmem_ns(t, 4 * t.peak_live + (64u << 20));
-    const double cmb = churn ? cnmem_min_budget_over_peak(t) : 0.0;
+    const double cmb = churn ? min_budget_over_peak(t, cnmem_completes) : 0.0;
     std::printf("%-12s %12.1f %12s %14s %14s %12.4f   (CNMeM)\n", "", c_ns, "", "", "", cmb);
 #endif
     js << (first ? "" : ",\n") << "    \"" << name << "\": {\"ops\": " << t.ops.size() << ", \"peak_live_bytes\": "
