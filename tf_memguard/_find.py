@@ -15,8 +15,9 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     """The largest batch size whose training step fits the budget, by the memory model.
 
     Short runs of fit() (two steps each: the first traces the step for its batch size,
-    the second is recorded as the pool sees it, with fit()'s own pipeline and copy of the
-    data): at a small size (`start`, default 32 or fewer samples), then where the model
+    the second is recorded as the pool sees it, with fit()'s own pipeline; on TensorFlow
+    without Keras' copy of the arrays, which is in the pool in some runs and not in others,
+    and for which the budget is asked with room): at a small size (`start`, default 32 or fewer samples), then where the model
     of the steps that completed says the limit is, as `steps` allow. A size that is
     refused shows the model wrong near it: the next run is halfway to it, and the answer
     the largest size that completed. Every block of the step becomes a line in the batch
@@ -78,7 +79,9 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     # of the step at 32 and missing at 75, a line through them made the copy shrink with
     # the batch, and 419 was named where 370 was the most that trained. The steps are
     # taken without it, and the budget is asked with room for it: the real run may copy.
-    copies = [-(-int(a.nbytes) // align) * align for a in _arrays((x, y))]
+    # (On Keras' torch backend the arrays stay on the host: no copy in the pool.)
+    copies = [-(-int(a.nbytes) // align) * align for a in _arrays((x, y))] \
+        if _backend.framework() == "tensorflow" else []
 
     def steps_at(size):
         trace = fit_steps(model, x, y, size, recorder)
