@@ -266,12 +266,23 @@ class StepSampler:
         copies = self._copy_sizes()
         room = budget - sum(copies)
 
+        def has_copy(trace):
+            bare = _recording.without_blocks(trace, copies, kind="input")
+            return len(bare.start_size) == len(trace.start_size) - len(copies)
+
+        # Keras' copy of the arrays is in the pool in some short fit() runs and not in
+        # others (benchmarks/NOTES.md, "Keras' copy of the arrays comes and goes"); a line
+        # through a step with it and one without would make it shrink with the batch.
+        # Once a step without it is met, the models take every step without it and leave
+        # room for it; while every step has it, they take the steps as they ran (the copy
+        # where it lay: on the two-input model, room instead named 446, which ran out).
+        without = [bool(copies) and self.prefix is not None and not has_copy(self.prefix)]
+
         def plain(trace):
-            # The step without Keras' copy of the arrays, which the models leave room for
-            # instead: a short fit() has it in the pool in some runs and not in others
-            # (benchmarks/NOTES.md, "Keras' copy of the arrays comes and goes"), and a
-            # line through a step with it and one without would make it shrink.
-            return _recording.without_blocks(trace, copies, kind="input") if copies else trace
+            return _recording.without_blocks(trace, copies, kind="input") if without[0] else trace
+
+        def limit():
+            return room if without[0] else budget
 
         def ran(trace):
             # A short run that completed proves its size for a retry that copies the
@@ -280,9 +291,10 @@ class StepSampler:
             # where with it nothing fits).
             if trace is None or not trace.complete:
                 return False
-            bare = plain(trace)
-            if len(bare.start_size) == len(trace.start_size) - len(copies):
+            if not copies or has_copy(trace):
                 return True
+            without[0] = True
+            bare = _recording.without_blocks(trace, copies, kind="input")
             return StepModel.build(bare, None).fits(trace.batch_size, room)
 
         good = None
@@ -318,7 +330,7 @@ class StepSampler:
             if refused:
                 size = (good.batch_size + self.too_large) // 2
             else:
-                size = min(current.largest_fitting(room, at_most=self.n), self.too_large - 1)
+                size = min(current.largest_fitting(limit(), at_most=self.n), self.too_large - 1)
             if size <= good.batch_size:
                 break
             trace = self._nested(model, size, all_samples=True)
