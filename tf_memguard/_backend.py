@@ -3,7 +3,9 @@
 On Keras' TensorFlow backend (the default) tensors come from TensorFlow's allocators,
 which tf_memguard's TensorFlow plugin replaces. On the torch backend they come from
 PyTorch's CUDA allocator, which install() replaces through
-torch.cuda.memory.CUDAPluggableAllocator with tf_memguard's PyTorch glue. Nothing here
+torch.cuda.memory.CUDAPluggableAllocator with tf_memguard's PyTorch glue. On the JAX
+backend they come from XLA's allocator, which cannot be replaced: install() sets its cap
+(_xla). Nothing here
 imports TensorFlow or PyTorch unless that backend is the one in use.
 """
 import os
@@ -23,13 +25,19 @@ def keras_backend():
 
 
 def framework():
-    """"torch" on Keras' torch backend, else "tensorflow"."""
-    return "torch" if keras_backend() == "torch" else "tensorflow"
+    """"torch" or "jax" on those Keras backends, else "tensorflow"."""
+    backend = keras_backend()
+    return backend if backend in ("torch", "jax") else "tensorflow"
 
 
 def default_device():
-    """The device a budget usually goes on: "GPU:0" with PyTorch, "CPU:0" with TensorFlow."""
-    return "GPU:0" if framework() == "torch" else "CPU:0"
+    """The device a budget usually goes on: "GPU:0" with PyTorch, "CPU:0" with TensorFlow,
+    on JAX "GPU:0" where jaxlib has a GPU to use, else "CPU:0"."""
+    fw = framework()
+    if fw == "jax":
+        from tf_memguard import _xla
+        return _xla.default_device()
+    return "GPU:0" if fw == "torch" else "CPU:0"
 
 
 def oom_errors():
@@ -37,12 +45,15 @@ def oom_errors():
     if framework() == "torch":
         import torch
         return (torch.OutOfMemoryError,)
+    if framework() == "jax":
+        import jax
+        return (jax.errors.JaxRuntimeError,)
     import tensorflow as tf
     return (tf.errors.ResourceExhaustedError,)
 
 
 def framework_name():
-    return "PyTorch" if framework() == "torch" else "TensorFlow"
+    return {"torch": "PyTorch", "jax": "JAX"}.get(framework(), "TensorFlow")
 
 
 def tf_glue_path():

@@ -13,6 +13,7 @@ from tf_memguard._errors import budget_exceeded_error
 from tf_memguard._failures import FailureHandling
 from tf_memguard._steps import StepSampler
 from tf_memguard._units import format_bytes
+from tf_memguard._xla_hooks import XlaHooks
 
 
 def __getattr__(name):
@@ -22,7 +23,7 @@ def __getattr__(name):
 
 
 _warned = set()  # reasons already said, once per process
-class MemGuardCallback(FailureHandling, keras.callbacks.Callback):
+class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
     """Records the memory of every epoch, warns near the budget, and explains an OOM.
 
     At each epoch's end its peak (of what the budget answers for: tensors in tf_memguard's
@@ -43,6 +44,13 @@ class MemGuardCallback(FailureHandling, keras.callbacks.Callback):
     size that fits (or that none does, and which budget would); the model stays usable.
     Call ``gc.collect()`` before retrying: the failed fit()'s batches stay in the pool
     until the exception is collected.
+
+    On Keras' JAX backend the memory comes from the step XLA compiled
+    (``memory_analysis()``, no run at other sizes): each training step is checked against
+    the budget before it runs, and one that does not fit is refused with the explanation
+    (a ``JaxRuntimeError`` starting RESOURCE_EXHAUSTED), the model unchanged; an epoch's
+    peak is XLA's own where it rose during the epoch, else the compiled step's; the
+    advice is the largest batch size whose compiled step fits (benchmarks/NOTES.md).
 
     The batch size is taken from the argument if given, else from the running fit()
     call's ``batch_size`` for array data (Keras' default of 32 when it is None), else from
@@ -73,6 +81,7 @@ class MemGuardCallback(FailureHandling, keras.callbacks.Callback):
     def __init__(self, device=None, warn_at=0.9, batch_size=None, verbose="auto", leak_epochs=3, advice=True):
         super().__init__()
         self.device = _install.normalize_device(device) if device is not None else None
+        self._xla = None
         self.warn_at = _fit_args.fraction("warn_at", warn_at)
         self.batch_size = _fit_args.positive_int("batch_size", batch_size, none_ok=True)
         if isinstance(verbose, bool) or verbose not in ("auto", 0, 1, 2):
@@ -89,6 +98,10 @@ class MemGuardCallback(FailureHandling, keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         # Everything per run is reset here, so one instance serves several fit() calls.
+        self._xla = None
+        if _backend.framework() == "jax":
+            self._active = False
+            return self._xla_train_begin()
         self._device = _install.resolve_device(self.device)
         _recording.abort_all()  # a run interrupted before this one left nothing switched on
         self._active = self._check_serving()
@@ -137,6 +150,8 @@ class MemGuardCallback(FailureHandling, keras.callbacks.Callback):
     # -- epochs and steps ----------------------------------------------------------------
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self._xla is not None:
+            return self._xla_epoch_begin(epoch)
         if not self._active:
             return
         self._epoch = epoch
@@ -152,6 +167,8 @@ class MemGuardCallback(FailureHandling, keras.callbacks.Callback):
             self._sampler.step_begin(self._epoch, batch)
 
     def on_train_batch_end(self, batch, logs=None):
+        if self._xla is not None:
+            return self._xla_batch_end(batch)
         if not self._active:
             return
         if self._sampler:
@@ -168,9 +185,11 @@ class MemGuardCallback(FailureHandling, keras.callbacks.Callback):
         return self._run_batch
 
     def on_epoch_end(self, epoch, logs=None):
+        logs = logs if logs is not None else {}
+        if self._xla is not None:
+            return self._xla_epoch_end(epoch, logs)
         if not self._active:
             return
-        logs = logs if logs is not None else {}
         record = self._monitor.epoch_end(epoch, logs, self._talks())
         if self._sampler:
             self._sampler.epoch_end(epoch, self.model)
@@ -186,6 +205,8 @@ class MemGuardCallback(FailureHandling, keras.callbacks.Callback):
                           f"{self._device}." + advice, stacklevel=2)
 
     def on_train_end(self, logs=None):
+        if self._xla is not None:
+            return self._xla_train_end()
         if not self._active:
             return
         self._unwrap_train_function()

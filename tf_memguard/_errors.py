@@ -8,7 +8,9 @@ DOC = """A step went over the budget without the framework raising: requests tha
     refused (XLA's buffers, oneDNN's kernels) were granted over it, so MemGuardCallback
     stopped the run after that step; or TensorFlow could not build the step because a
     constant did not fit. A subclass of the backend's out-of-memory error
-    (tf.errors.ResourceExhaustedError, torch.OutOfMemoryError), so its handlers catch it."""
+    (tf.errors.ResourceExhaustedError, torch.OutOfMemoryError, jax.errors.JaxRuntimeError), so
+    its handlers catch it. On JAX also: a step whose compiled size is over the budget, refused
+    before it ran."""
 
 
 def budget_exceeded_error():
@@ -17,7 +19,7 @@ def budget_exceeded_error():
         base = _backend.oom_errors()[0]
 
         def __init__(self, message):
-            if framework == "torch":
+            if framework in ("torch", "jax"):
                 base.__init__(self, message)
             else:
                 base.__init__(self, None, None, message)

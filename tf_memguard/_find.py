@@ -37,6 +37,11 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
             Defaults to 4.
         start: the first batch size tried. Defaults to 32 (or fewer samples).
 
+    On Keras' JAX backend no step is run: the train step XLA compiles at a batch size
+    gives its memory (memory_analysis()), and the answer is the largest size whose
+    compiled step, with what is live beside it, fits (at most 5 compilations; `steps` is
+    not used).
+
     Returns:
         The batch size (an int).
 
@@ -51,6 +56,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         >>> model.fit(x_train, y_train, batch_size=size)
     """
     import keras
+    if _backend.framework() == "jax":
+        return _find_xla(model, x, y, max_bytes, device, steps, start)
     if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
         raise ValueError("find_batch_size(model=...): compile the model first (model.compile(...))")
     n = min(len(a) for a in keras.tree.flatten(x))
@@ -136,3 +143,27 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
 def _arrays(data):
     import keras
     return [a for a in keras.tree.flatten(data) if a is not None and hasattr(a, "nbytes")]
+
+
+def _find_xla(model, x, y, max_bytes, device, steps, start):
+    import keras
+
+    from tf_memguard import _xla_step
+    if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
+        raise ValueError("find_batch_size(model=...): compile the model first (model.compile(...))")
+    n = min(len(a) for a in keras.tree.flatten(x))
+    if n < 1:
+        raise ValueError("find_batch_size(x=...): x holds no samples")
+    device = _install.resolve_device(device)
+    installed = _install.config(device)
+    if max_bytes is None and installed is None:
+        raise ValueError("find_batch_size(max_bytes=None): no budget to fit; pass max_bytes or call "
+                         "tf_memguard.install() first")
+    budget = installed.max_bytes if max_bytes is None else parse_bytes(max_bytes, installed.total_memory
+                                                                       if installed else 1 << 40)
+    size, model_ = _xla_step.find(model, x, y, budget, device, n, start)
+    if size < 1:
+        raise _core.OutOfBudgetError(
+            f"find_batch_size: not even a batch of 1 fits the {format_bytes(budget)} budget by the compiled step: "
+            f"it needs about {format_bytes(model_.budget_for(1))}; pass a larger max_bytes")
+    return int(size)

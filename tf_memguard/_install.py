@@ -30,7 +30,7 @@ class Config:
         total_memory: the device's memory (host: physical memory, or the cgroup limit).
         plugin_path: the library that routes tensors to the pool (the TensorFlow plugin,
             or the PyTorch glue).
-        framework: "tensorflow" or "torch": whose tensors the budget holds.
+        framework: "tensorflow", "torch" or "jax": whose tensors the budget holds.
     """
 
     device: str
@@ -42,8 +42,17 @@ class Config:
     framework: str = "tensorflow"
 
     @property
+    def enforced(self):
+        """True where the budget is a limit on allocations: always, but on JAX's CPU
+        client, which has no cap (there each step's compiled size is checked before it runs)."""
+        return not (self.framework == "jax" and self.device == "CPU:0")
+
+    @property
     def serving(self):
-        """True once the framework takes its tensors' memory from tf_memguard's pool."""
+        """True once the framework takes its tensors' memory from tf_memguard's pool (on
+        JAX: XLA's allocator under its cap, or the compiled-step check on CPU)."""
+        if self.framework == "jax":
+            return True
         if self.framework == "torch":
             return bool(_torch_allocator)
         return bool(_core.plugin_state() & _core.PLUGIN_SERVING)
@@ -122,8 +131,11 @@ def device_pool(device=None):
     """The process-wide pool of `device`, shared with the framework (a tf_memguard.Pool).
 
     CPU:0 always has one (counting, before install()); a GPU has one after
-    install(device="GPU:<n>")."""
+    install(device="GPU:<n>"). Not on Keras' JAX backend (XLA keeps its own allocator)."""
     device = resolve_device(device)
+    if _backend.framework() == "jax":
+        raise RuntimeError("on Keras' JAX backend tensors live in XLA's allocator, not in a tf_memguard pool: "
+                           "tf_memguard.stats() gives XLA's statistics, MemGuardCallback the peaks and advice")
     if device == "CPU:0":
         return _core.device_pool(device)
     pool = _core.find_device_pool(device)
@@ -189,6 +201,40 @@ def _torch_pool(device):
     return pool
 
 
+def _install_xla(max_bytes, device):
+    """Keras' JAX backend: XLA's cap on a GPU, the compiled-step check on the CPU."""
+    import warnings
+
+    from tf_memguard import _xla
+    if device == "CPU:0":
+        total = _xla.host_total_memory()
+        n = parse_bytes(max_bytes, total)
+        if ("CPU:0", "jax") not in _warned_xla:
+            _warned_xla.add(("CPU:0", "jax"))
+            warnings.warn(
+                "tf_memguard: XLA's CPU client has no memory cap, so on Keras' JAX backend the CPU budget is not a limit "
+                f"on allocations: MemGuardCallback checks each training step's compiled size against the "
+                f"{format_bytes(n)} budget before it runs (refusing a step that would not fit), reports the peaks "
+                "and advises batch sizes from the compiled step.", stacklevel=3)
+        path = "compiled-step check (XLA's CPU client has no cap)"
+    else:
+        total = _xla.gpu_total_memory(int(device.split(":")[1]))
+        n = parse_bytes(max_bytes, total)
+        _xla.set_cap(device, n, total)
+        path = f"XLA_CLIENT_MEM_FRACTION={os.environ['XLA_CLIENT_MEM_FRACTION']}"
+    with _lock:
+        if device != "CPU:0":
+            for other in [d for d, c in _configs.items() if c.framework == "jax" and d != "CPU:0"]:
+                del _configs[other]  # one fraction for every GPU of the process
+        cfg = Config(device=device, max_bytes=n, requested=max_bytes, predating_bytes=0, total_memory=total,
+                     plugin_path=path, framework="jax")
+        _configs[device] = cfg
+    return cfg
+
+
+_warned_xla = set()
+
+
 def install(max_bytes, device=None):
     """Puts the tensors of `device` under a hard budget of `max_bytes`.
 
@@ -200,6 +246,13 @@ def install(max_bytes, device=None):
     with TensorFlow's ResourceExhaustedError (the process, the model and its weights stay
     usable), and requests TensorFlow cannot survive a refusal of (numpy or Python values
     turned into tensors, XLA buffers) are granted and counted as overshoot in stats().
+
+    On Keras' JAX backend (KERAS_BACKEND=jax), whose allocator (XLA's) cannot be
+    replaced, a GPU budget is XLA's own cap (XLA_CLIENT_MEM_FRACTION of the GPU, taken
+    whole when JAX starts), read when JAX starts its backend: call install() before anything
+    touches JAX; the same cap holds on every GPU of the process. XLA's CPU client has no
+    cap: on device="CPU:0" the budget is checked against each training step's compiled
+    size before it runs (MemGuardCallback), which install() says in a warning.
 
     On Keras' torch backend (KERAS_BACKEND=torch) the device is a GPU ("cuda:0"):
     PyTorch's CUDA allocator is replaced through
@@ -239,6 +292,8 @@ def install(max_bytes, device=None):
     framework = _backend.framework()
     device = normalize_device(device if device is not None else _backend.default_device())
     parse_bytes(max_bytes, 1 << 40)  # a bad value fails before anything is set up
+    if framework == "jax":
+        return _install_xla(max_bytes, device)
     if framework == "torch":
         pool = _torch_pool(device)
         path = _backend.torch_glue_path()
@@ -276,8 +331,18 @@ def stats(device=None):
     """The pool's statistics for `device` as a dict (TensorFlow's field names and more).
 
     Works with and without install(): without it, the pool passes allocations through
-    to host memory and still counts them.
+    to host memory and still counts them. On Keras' JAX backend: XLA's own statistics
+    (bytes_in_use, peak_bytes_in_use since the process started, bytes_limit,
+    largest_free_block_bytes, ...); XLA's CPU client keeps none (RuntimeError).
     """
+    if _backend.framework() == "jax":
+        from tf_memguard import _xla
+        device = resolve_device(device)
+        s = _xla.memory_stats(device)
+        if s is None:
+            raise RuntimeError(f"device={device!r}: XLA's CPU client keeps no memory statistics; MemGuardCallback's "
+                               "logs and report give each epoch's peak from the compiled step")
+        return dict(s)
     return device_pool(device).stats()
 
 

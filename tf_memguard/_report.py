@@ -49,6 +49,10 @@ class Report:
         memory_model: the memory model of the run's training step (a StepModel as a
             dict), for `python -m tf_memguard what-if`; None when none was made.
         samples: the training samples, when known (no batch is larger).
+        peak_source: on Keras' JAX backend, where the epochs' peaks come from: "measured"
+            (XLA's peak rose during the epoch: exact) or "compiled" (the compiled step's
+            size plus what was live beside it: a prediction); empty elsewhere.
+        budget_kind: on JAX, "XLA's cap" (GPU) or "checked against the compiled step" (CPU).
     """
 
     device: str = "CPU:0"
@@ -69,6 +73,8 @@ class Report:
     process_peak_rss_bytes: int = 0
     memory_model: dict = None
     samples: int = None
+    peak_source: str = ""
+    budget_kind: str = ""
 
     # Worked out on first reading (after an out-of-memory error): a callable that sets them.
     _LAZY = frozenset(("suggested_batch_size", "suggestion_method", "advice", "memory_model"))
@@ -90,6 +96,9 @@ class Report:
         """The StepModel saved in the report, or None."""
         if not self.memory_model:
             return None
+        if self.memory_model.get("kind") == "xla-compiled":
+            from tf_memguard._xla_step import XlaStepModel
+            return XlaStepModel.from_dict(self.memory_model)
         from tf_memguard._memory_model import StepModel, StepModels
         if "models" in self.memory_model:
             return StepModels.from_dict(self.memory_model)
@@ -106,7 +115,8 @@ class Report:
 
     def __str__(self):
         budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none (counting only)"
-        lines = [f"tf_memguard memory report ({self.device}, budget {budget})"]
+        kind = f": {self.budget_kind}" if self.budget_kind and self.budget_bytes else ""
+        lines = [f"tf_memguard memory report ({self.device}, budget {budget}{kind})"]
         header = f"{'epoch':>5} {'peak':>10} {'% budget':>9} {'allocs':>9} {'refused':>8} {'frag':>6} {'live at end':>12}"
         lines.append(header)
         lines.append("-" * len(header))
@@ -118,8 +128,12 @@ class Report:
             lines.append("  (no epoch finished)")
         lines.append("-" * len(header))
         pct = f" ({100 * self.peak_bytes / self.budget_bytes:.1f}% of budget)" if self.budget_bytes else ""
-        lines.append(f"peak {format_bytes(self.peak_bytes)}{pct}; {self.allocs} allocations, "
-                     f"{self.refusals} refused")
+        if self.peak_source:
+            lines.append(f"peak {format_bytes(self.peak_bytes)}{pct}; epochs' peaks {self.peak_source} "
+                         "(measured: XLA's own peak; compiled: the step XLA compiled, plus what was live beside it)")
+        else:
+            lines.append(f"peak {format_bytes(self.peak_bytes)}{pct}; {self.allocs} allocations, "
+                         f"{self.refusals} refused")
         over = {k: v for k, v in self.overshoot_bytes_by_kind.items() if v}
         if over:
             lines.append("granted over the budget (requests that cannot be refused): " +

@@ -1,0 +1,191 @@
+"""Keras' JAX backend on the CPU: what XLA's CPU client allows without a GPU.
+
+XLA's CPU client has no cap, so here the budget is tf_memguard's check of each compiled
+step before it runs; the GPU cap (XLA_CLIENT_MEM_FRACTION) runs on the lent H200
+(benchmarks/gpu/run_keras_jax.sh, results/gpu_keras_jax.json). Each scenario is a fresh
+process with KERAS_BACKEND=jax. Skipped where jax is not installed (CI installs jax's CPU
+wheel for these; see .ci/run).
+"""
+import pytest
+
+from tfproc import run
+
+pytest.importorskip("jax")
+
+JAX = {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
+
+MODEL = """
+import numpy as np, keras, tf_memguard
+from keras import layers
+def cnn():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((32, 32, 3)); x = inp
+    for f in (16, 32):
+        x = layers.Conv2D(f, 3, padding="same", activation="relu")(x)
+        x = layers.BatchNormalization()(x)
+        x = layers.MaxPooling2D()(x)
+    x = layers.GlobalAveragePooling2D()(x)
+    m = keras.Model(inp, layers.Dense(10)(x))
+    m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return m
+rng = np.random.default_rng(0)
+X = rng.random((2000, 32, 32, 3), dtype=np.float32); Y = rng.integers(0, 10, 2000)
+"""
+
+
+def test_install_on_cpu_says_there_is_no_cap_and_sets_no_xla_variable():
+    r = run("""
+        import os, warnings
+        import keras, tf_memguard
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            cfg = tf_memguard.install(max_bytes="300MiB", device="CPU:0")
+        try:
+            tf_memguard.stats()
+            stats = "no error"
+        except RuntimeError as e:
+            stats = str(e)
+        emit(framework=cfg.framework, enforced=cfg.enforced, max_bytes=cfg.max_bytes,
+             warned=[str(x.message) for x in w], fraction=os.environ.get("XLA_CLIENT_MEM_FRACTION"), stats=stats)
+    """, env=JAX)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["framework"] == "jax" and d["enforced"] is False and d["max_bytes"] == 300 << 20
+    assert any("no memory cap" in m for m in d["warned"]), d
+    assert d["fraction"] is None
+    assert "keeps no memory statistics" in d["stats"]
+
+
+def test_a_gpu_cap_is_refused_once_jax_has_started_and_a_bad_allocator_is_refused():
+    r = run("""
+        import os
+        import keras, tf_memguard
+        from tf_memguard import _xla
+        import jax
+        jax.devices()  # the backend starts: XLA has read its settings
+        try:
+            _xla.set_cap("GPU:0", 1 << 30, 8 << 30)
+            started = "no error"
+        except RuntimeError as e:
+            started = str(e)
+        os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
+        try:
+            _xla.set_cap("GPU:0", 1 << 30, 8 << 30)
+            platform = "no error"
+        except RuntimeError as e:
+            platform = str(e)
+        emit(started=started, platform=platform)
+    """, env=JAX)
+    assert r.returncode == 0, r
+    assert "already started its backend" in r.data["started"] and "XLA_CLIENT_MEM_FRACTION" in r.data["started"]
+    assert "without its memory cap" in r.data["platform"]
+
+
+def test_the_cap_goes_into_xla_s_variables_before_jax_starts():
+    r = run("""
+        import os
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.9"  # jaxlib refuses both names at once
+        from tf_memguard import _xla
+        _xla.set_cap("GPU:0", 2 << 30, 8 << 30)
+        emit(new=os.environ.get("XLA_CLIENT_MEM_FRACTION"), old=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+             prealloc=os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"), started=_xla.backend_started())
+    """, env=JAX)
+    assert r.returncode == 0, r
+    assert float(r.data["new"]) == 0.25 and r.data["old"] is None
+    assert r.data["prealloc"] == "true" and r.data["started"] is False
+
+
+def test_fit_logs_peaks_from_the_compiled_step_and_suggests_a_size_that_trains():
+    r = run(MODEL, """
+        tf_memguard.install(max_bytes="300MiB", device="CPU:0")
+        cb = tf_memguard.MemGuardCallback(verbose=0)
+        h = cnn().fit(X, Y, batch_size=128, epochs=2, verbose=0, callbacks=[cb])
+        rep = cb.report
+        s = rep.suggested_batch_size
+        model = rep.model()
+        m2 = cnn()
+        h2 = m2.fit(X, Y, batch_size=s, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        emit(peaks=h.history["memguard_peak_mib"], fraction=h.history["memguard_budget_fraction"], s=s,
+             need_s=model.need(s)["peak_account"], need_next=model.need(s + 8)["peak_account"],
+             source=rep.peak_source, kind=rep.budget_kind, text=str(rep), trained=h2.history["loss"],
+             retry_peak=h2.history["memguard_peak_mib"])
+    """, env=JAX)
+    assert r.returncode == 0, r
+    d = r.data
+    assert len(d["peaks"]) == 2 and d["peaks"][0] > 1 and d["source"] == "compiled"
+    assert d["kind"] == "checked against the compiled step"
+    # The suggestion is the largest the model says fits: its step within the budget, a bit larger not.
+    assert d["s"] > 128 and d["need_s"] <= 300 << 20 < d["need_next"], d
+    assert d["retry_peak"][0] <= 300, d
+    assert "batch size that fits the budget" in d["text"]
+
+
+def test_a_step_over_the_budget_is_refused_before_it_runs_and_the_retry_trains():
+    r = run(MODEL, """
+        import gc
+        tf_memguard.install(max_bytes="300MiB", device="CPU:0")
+        m = cnn()
+        m.fit(X[:64], Y[:64], batch_size=32, epochs=1, verbose=0)
+        w0 = [np.array(v.value) for v in m.variables]
+        try:
+            m.fit(X, Y, batch_size=1500, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            err = None
+        except Exception as e:
+            err, oom_type = str(e), isinstance(e, tf_memguard.BudgetExceededError)
+            import jax
+            xla_type = isinstance(e, jax.errors.JaxRuntimeError)
+        same = all(np.array_equal(a, np.array(v.value)) for a, v in zip(w0, m.variables))
+        s = tf_memguard.report().suggested_batch_size
+        gc.collect()
+        h = m.fit(X, Y, batch_size=s, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        emit(err=err, oom_type=oom_type, xla_type=xla_type, same=same, s=s, loss=h.history["loss"],
+             peak=h.history["memguard_peak_mib"])
+    """, env=JAX)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["err"].startswith("RESOURCE_EXHAUSTED: tf_memguard: CPU:0: the training step at batch 1500"), d
+    assert "it was not run and the model is unchanged" in d["err"] and "Reduce the batch size to" in d["err"]
+    assert d["oom_type"] and d["xla_type"] and d["same"]
+    assert 128 < d["s"] < 1500 and d["peak"][0] <= 300 and d["loss"][0] == d["loss"][0]
+
+
+def test_find_batch_size_from_the_compiled_step_matches_the_callback_and_runs_nothing():
+    r = run(MODEL, """
+        tf_memguard.install(max_bytes="300MiB", device="CPU:0")
+        m = cnn()
+        m.fit(X[:64], Y[:64], batch_size=32, epochs=1, verbose=0)
+        w0 = [np.array(v.value) for v in m.variables]
+        size = tf_memguard.find_batch_size(m, X, Y)
+        small = tf_memguard.find_batch_size(m, X, Y, max_bytes="60MiB")
+        same = all(np.array_equal(a, np.array(v.value)) for a, v in zip(w0, m.variables))
+        cb = tf_memguard.MemGuardCallback(verbose=0)
+        m.fit(X, Y, batch_size=size, epochs=1, verbose=0, callbacks=[cb])
+        try:
+            tf_memguard.find_batch_size(m, X, Y, max_bytes="100KiB")
+            none = "no error"
+        except tf_memguard.OutOfBudgetError as e:
+            none = str(e)
+        emit(size=size, small=small, same=same, peak=cb.report.peak_bytes, none=none)
+    """, env=JAX)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["same"] and 0 < d["small"] < d["size"], d
+    assert d["peak"] <= 300 << 20
+    assert "not even a batch of 1 fits" in d["none"]
+
+
+def test_what_if_reads_a_jax_report():
+    r = run(MODEL, """
+        import subprocess, sys, tempfile, os
+        tf_memguard.install(max_bytes="300MiB", device="CPU:0")
+        cb = tf_memguard.MemGuardCallback(verbose=0)
+        cnn().fit(X[:512], Y[:512], batch_size=64, epochs=1, verbose=0, callbacks=[cb])
+        path = os.path.join(tempfile.mkdtemp(), "r.json")
+        cb.report.to_json(path)
+        p = subprocess.run([sys.executable, "-m", "tf_memguard", "what-if", path, "--budget", "1GiB"],
+                           capture_output=True, text=True)
+        emit(rc=p.returncode, out=p.stdout, err=p.stderr[-500:])
+    """, env=JAX)
+    assert r.returncode == 0, r
+    assert r.data["rc"] == 0, r.data
+    assert "largest batch size that fits" in r.data["out"] and "fits 1.00 GiB" in r.data["out"]
