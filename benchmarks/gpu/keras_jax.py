@@ -1,0 +1,206 @@
+"""Keras on JAX under tf_memguard (XLA's cap), on a real GPU (the lent H200).
+
+Two models, a CNN (64x64x3, conv + batch norm) and a 4-block transformer (sequence 128,
+width 256), each under a 2 GiB cap. Every run is its own process (XLA reads its cap once
+per process), all from one call of this script:
+
+  advice   fit at about half the limit for 2 epochs with MemGuardCallback: its
+           suggestion, each epoch's peak in the logs against XLA's own peak
+           (memory_stats()["peak_bytes_in_use"]).
+  oom      fit at 4x the suggestion: the explained error (refused before it ran, or the
+           runtime OOM), the weights unchanged, and a retry at the suggestion in the same
+           process that trains (its loss read every step: XLA reports a failed step only
+           when its result is read).
+  trains   fit at the suggestion for 2 epochs in a fresh process, loss read every step.
+  limit    the largest batch size that trains 2 epochs (each a fresh process, loss read
+           every step): a bisection between the suggestion and 1.5x it.
+  timing   in one process, fit(epochs=1) alternately without and with MemGuardCallback
+           (4 each after a warm-up): the median epoch time with over without.
+
+Usage (from the repository root, Keras as wheels in /tmp/site): python3
+benchmarks/gpu/keras_jax.py --out DIR; writes DIR/gpu_keras_jax.json.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CAP = int(os.environ.get("TFMG_JAX_CAP", 2 << 30))
+DEVICE = os.environ.get("TFMG_JAX_DEVICE", "GPU:0")  # CPU:0 for a dry run without a GPU
+SAMPLES = {"cnn": 4096, "transformer": 2048} if "TFMG_JAX_SAMPLES" not in os.environ else \
+    {"cnn": int(os.environ["TFMG_JAX_SAMPLES"]), "transformer": int(os.environ["TFMG_JAX_SAMPLES"])}
+
+
+def model_and_data(kind):
+    import keras
+    import numpy as np
+    from keras import layers
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    n = SAMPLES[kind]
+    if kind == "cnn":
+        inp = keras.Input((64, 64, 3))
+        x = inp
+        for f in (32, 64, 128):
+            x = layers.Conv2D(f, 3, padding="same", activation="relu")(x)
+            x = layers.BatchNormalization()(x)
+            x = layers.MaxPooling2D()(x)
+        x = layers.GlobalAveragePooling2D()(x)
+        X = rng.random((n, 64, 64, 3), dtype=np.float32)
+    else:
+        inp = keras.Input((128,), dtype="int32")
+        x = layers.Embedding(8000, 256)(inp)
+        for _ in range(4):
+            h = layers.MultiHeadAttention(4, 64)(x, x)
+            x = layers.LayerNormalization()(x + h)
+            h = layers.Dense(1024, activation="relu")(x)
+            x = layers.LayerNormalization()(x + layers.Dense(256)(h))
+        x = layers.GlobalAveragePooling1D()(x)
+        X = rng.integers(0, 8000, (n, 128)).astype("int32")
+    out = layers.Dense(10)(x)
+    m = keras.Model(inp, out)
+    m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return m, X, rng.integers(0, 10, (n,)).astype("int32")
+
+
+def keras_callback():
+    import keras
+    return keras.callbacks.Callback
+
+
+def reader():
+    """A callback that reads each step's loss, so that a failed step raises there."""
+    import keras
+
+    class Read(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            float(logs["loss"])
+    return Read()
+
+
+def one(job, kind, batch):
+    os.environ["KERAS_BACKEND"] = "jax"
+    sys.path.insert(0, ROOT)
+    import tf_memguard
+    tf_memguard.install(max_bytes=CAP, device=DEVICE)
+    import jax
+    import numpy as np
+    m, X, Y = model_and_data(kind)
+
+    def stats():
+        return jax.devices()[0].memory_stats() or {}
+    out = {"job": job, "kind": kind, "batch": batch}
+    if job == "advice":
+        cb = tf_memguard.MemGuardCallback(verbose=0)
+        h = m.fit(X, Y, batch_size=batch, epochs=2, verbose=0, callbacks=[cb, reader()])
+        r = cb.report
+        out.update(suggestion=r.suggested_batch_size, method=r.suggestion_method,
+                   logged_peaks_mib=h.history["memguard_peak_mib"], peak_source=r.peak_source,
+                   xla_peak=stats().get("peak_bytes_in_use"), limit=stats().get("bytes_limit"),
+                   memory_model=r.memory_model, report=str(r))
+    elif job == "oom":
+        m.fit(X[:batch // 4], Y[:batch // 4], batch_size=max(1, batch // 16), epochs=1, verbose=0)
+        w0 = [np.array(v.value) for v in m.trainable_variables]
+        t = time.perf_counter()
+        try:
+            m.fit(X, Y, batch_size=batch, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            out["error"] = None
+        except Exception as e:  # noqa: BLE001 - the type is measured
+            out["error"] = f"{type(e).__name__}: {str(e)[:1200]}"
+        out["seconds_to_error"] = time.perf_counter() - t
+        out["weights_unchanged"] = all(np.array_equal(a, np.array(v.value)) for a, v in zip(w0, m.trainable_variables))
+        s = tf_memguard.report().suggested_batch_size
+        out["suggestion"] = s
+        try:
+            h = m.fit(X, Y, batch_size=s, epochs=1, verbose=0, callbacks=[reader()])
+            out["retry"] = {"batch": s, "loss": h.history["loss"]}
+        except Exception as e:  # noqa: BLE001
+            out["retry"] = f"{type(e).__name__}: {str(e)[:400]}"
+    elif job == "trains":
+        try:
+            h = m.fit(X, Y, batch_size=batch, epochs=2, verbose=0, callbacks=[reader()])
+            out["trained"] = bool(np.isfinite(h.history["loss"][-1]))
+        except Exception as e:  # noqa: BLE001
+            out["trained"] = False
+            out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out["xla_peak"] = stats().get("peak_bytes_in_use")
+    elif job == "timing":
+        class Times(keras_callback()):
+            def on_train_begin(self, logs=None):
+                self.t = []
+
+            def on_epoch_begin(self, epoch, logs=None):
+                self.t0 = time.perf_counter()
+
+            def on_epoch_end(self, epoch, logs=None):
+                float(logs["loss"])
+                self.t.append(time.perf_counter() - self.t0)
+        plain, guarded = [], []
+        m.fit(X, Y, batch_size=batch, epochs=1, verbose=0)
+        for _ in range(3):  # ABAB: epochs 2-4 of each fit (the first holds the per-fit check)
+            for cbs, into in (([], plain), ([tf_memguard.MemGuardCallback(verbose=0, advice=False)], guarded)):
+                t = Times()
+                m.fit(X, Y, batch_size=batch, epochs=4, verbose=0, callbacks=cbs + [t])
+                into.extend(t.t[1:])
+        out.update(plain_s=plain, guarded_s=guarded,
+                   ratio=statistics.median(guarded) / statistics.median(plain))
+    return out
+
+
+def run(job, kind, batch):
+    p = subprocess.run([sys.executable, __file__, "--one", job, kind, str(batch)], capture_output=True, text=True,
+                       timeout=150)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    r = json.loads(lines[-1][7:]) if lines else {"job": job, "kind": kind, "batch": batch, "rc": p.returncode,
+                                                 "stderr": p.stderr[-2000:]}
+    print(json.dumps({k: v for k, v in r.items() if k != "memory_model"}), flush=True)
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--one", nargs=3)
+    a = ap.parse_args()
+    if a.one:
+        print("RESULT " + json.dumps(one(a.one[0], a.one[1], int(a.one[2])), default=str), flush=True)
+        return
+    results = {"cap": CAP, "models": {}}
+    path = os.path.join(a.out, "gpu_keras_jax.json")
+    def save():
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    for kind, half in (("cnn", 256), ("transformer", 96)):
+        r = results["models"][kind] = {}
+        r["advice"] = adv = run("advice", kind, half)
+        s = adv.get("suggestion") or half
+        r["oom"] = run("oom", kind, 4 * s)
+        r["trains"] = [run("trains", kind, s), run("trains", kind, s)]
+        r["timing"] = run("timing", kind, half)
+        save()
+    for kind, r in results["models"].items():  # the largest that trains, near the suggestion
+        s = r["advice"].get("suggestion") or 1
+        ok = all(t.get("trained") for t in r["trains"])
+        lo, hi = (s, int(1.3 * s) + 1) if ok else (max(1, s // 2), s)
+        probes = []
+        while hi - lo > max(2, s // 50) and len(probes) < 3:
+            mid = (lo + hi) // 2
+            t = run("trains", kind, mid)
+            probes.append(t)
+            lo, hi = (mid, hi) if t.get("trained") else (lo, mid)
+        r["limit_probes"] = probes
+        r["largest_trained_at_least"] = lo
+        r["smallest_failed"] = hi if hi != int(1.3 * s) + 1 else None
+        r["suggestion_over_largest"] = s / lo if ok else None
+        save()
+    print(json.dumps({k: {"suggestion": v["advice"].get("suggestion"), "largest": v["largest_trained_at_least"],
+                          "ratio": v["suggestion_over_largest"], "timing": v["timing"].get("ratio")}
+                      for k, v in results["models"].items()}))
+
+
+if __name__ == "__main__":
+    main()
