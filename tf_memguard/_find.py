@@ -56,8 +56,6 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         >>> model.fit(x_train, y_train, batch_size=size)
     """
     import keras
-    if _backend.framework() == "jax":
-        return _find_xla(model, x, y, max_bytes, device, steps, start)
     if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
         raise ValueError("find_batch_size(model=...): compile the model first (model.compile(...))")
     n = min(len(a) for a in keras.tree.flatten(x))
@@ -65,6 +63,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         raise ValueError("find_batch_size(x=...): x holds no samples")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ValueError(f"find_batch_size(steps={steps!r}): must be an int of at least 2")
+    if _backend.framework() == "jax":
+        return _find_xla(model, x, y, max_bytes, device, n, start)
     device = _install.resolve_device(device)
     pool = _install.device_pool(device)
     installed = _install.config(device)
@@ -145,15 +145,8 @@ def _arrays(data):
     return [a for a in keras.tree.flatten(data) if a is not None and hasattr(a, "nbytes")]
 
 
-def _find_xla(model, x, y, max_bytes, device, steps, start):
-    import keras
-
+def _find_xla(model, x, y, max_bytes, device, n, start):
     from tf_memguard import _xla_step
-    if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
-        raise ValueError("find_batch_size(model=...): compile the model first (model.compile(...))")
-    n = min(len(a) for a in keras.tree.flatten(x))
-    if n < 1:
-        raise ValueError("find_batch_size(x=...): x holds no samples")
     device = _install.resolve_device(device)
     installed = _install.config(device)
     if max_bytes is None and installed is None:
