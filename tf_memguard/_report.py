@@ -122,8 +122,12 @@ class Report:
         lines.append("-" * len(header))
         for e in self.epochs:
             pct = f"{100 * e.budget_fraction:.1f}%" if self.budget_bytes else "-"
-            lines.append(f"{e.epoch:>5} {format_bytes(e.peak_bytes):>10} {pct:>9} {e.allocs:>9} "
-                         f"{e.refusals:>8} {e.fragmentation:>6.2f} {format_bytes(e.live_bytes):>12}")
+            if self.peak_source:  # JAX: XLA counts no allocations or refusals for us
+                counts = f"{'-':>9} {'-':>8} {'-':>6}"
+            else:
+                counts = f"{e.allocs:>9} {e.refusals:>8} {e.fragmentation:>6.2f}"
+            lines.append(f"{e.epoch:>5} {format_bytes(e.peak_bytes):>10} {pct:>9} {counts} "
+                         f"{format_bytes(e.live_bytes):>12}")
         if not self.epochs:
             lines.append("  (no epoch finished)")
         lines.append("-" * len(header))

@@ -64,9 +64,14 @@ def gpu_total_memory(index):
 def default_device():
     """"GPU:0" where the driver sees a GPU and jaxlib has its CUDA plugin, else "CPU:0"."""
     import importlib.util
-    plugin = any(importlib.util.find_spec(name) is not None
-                 for name in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
-                              "jax_plugins.xla_cuda12"))
+
+    def present(name):
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # "jax_plugins.x" without jax_plugins
+            return False
+    plugin = any(present(name) for name in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
+                                            "jax_plugins.xla_cuda12"))
     return "GPU:0" if plugin and gpu_count() else "CPU:0"
 
 

@@ -28,8 +28,9 @@ class XlaHooks:
         enforced = bool(cfg and cfg.enforced)
         budget = 0
         if cfg is not None:
-            budget = (_xla.cap(device, cfg.max_bytes) or cfg.max_bytes) if enforced else cfg.max_bytes
-            budget = min(budget, cfg.max_bytes) if enforced else budget
+            # XLA's limit can be its rounding above what was asked: the smaller of the two.
+            budget = min(_xla.cap(device, cfg.max_bytes) or cfg.max_bytes, cfg.max_bytes) if enforced \
+                else cfg.max_bytes
         fit_args = _fit_args.fit_arguments()
         run_batch = self.batch_size or _fit_args.batch_size(fit_args)
         self._device, self._budget, self._run_batch = device, budget, run_batch

@@ -85,18 +85,16 @@ class XlaRun:
 
         def guarded(state, iterator):
             data = next(iterator)  # StopIteration goes to fit(), as from Keras' own function
+            compiled = None
             try:
                 compiled, peak = run.before_step(model, state, data)
-                try:
-                    logs, new_state = current(state, itertools.chain([data], iterator))
-                    run.after_step(logs, new_state, compiled, peak)
-                except BaseException as e:
-                    run.restore(model, state)  # fit() emptied the variables; put the state back
-                    if _xla.is_oom(e):
-                        run.explain_runtime_oom(e, compiled, peak)
-                    raise
-            except Exception as e:
+                logs, new_state = current(state, itertools.chain([data], iterator))
+                run.after_step(logs, new_state, compiled, peak)
+            except BaseException as e:
+                run.restore(model, state)  # fit() emptied the variables; put the state back
                 if _xla.is_oom(e):
+                    if compiled is not None and not str(e).startswith("RESOURCE_EXHAUSTED: tf_memguard"):
+                        run.explain_runtime_oom(e, compiled, peak)
                     run.cb._xla_failed()
                 raise
             return logs, new_state

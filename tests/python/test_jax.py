@@ -30,6 +30,13 @@ def cnn():
     return m
 rng = np.random.default_rng(0)
 X = rng.random((2000, 32, 32, 3), dtype=np.float32); Y = rng.integers(0, 10, 2000)
+def trained_a_little():
+    tf_memguard.install(max_bytes="300MiB", device="CPU:0")
+    m = cnn()
+    m.fit(X[:64], Y[:64], batch_size=32, epochs=1, verbose=0)
+    return m, [np.array(v.value) for v in m.variables]
+def unchanged(m, w0):
+    return all(np.array_equal(a, np.array(v.value)) for a, v in zip(w0, m.variables))
 """
 
 
@@ -123,10 +130,7 @@ def test_fit_logs_peaks_from_the_compiled_step_and_suggests_a_size_that_trains()
 def test_a_step_over_the_budget_is_refused_before_it_runs_and_the_retry_trains():
     r = run(MODEL, """
         import gc
-        tf_memguard.install(max_bytes="300MiB", device="CPU:0")
-        m = cnn()
-        m.fit(X[:64], Y[:64], batch_size=32, epochs=1, verbose=0)
-        w0 = [np.array(v.value) for v in m.variables]
+        m, w0 = trained_a_little()
         try:
             m.fit(X, Y, batch_size=1500, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
             err = None
@@ -134,7 +138,7 @@ def test_a_step_over_the_budget_is_refused_before_it_runs_and_the_retry_trains()
             err, oom_type = str(e), isinstance(e, tf_memguard.BudgetExceededError)
             import jax
             xla_type = isinstance(e, jax.errors.JaxRuntimeError)
-        same = all(np.array_equal(a, np.array(v.value)) for a, v in zip(w0, m.variables))
+        same = unchanged(m, w0)
         s = tf_memguard.report().suggested_batch_size
         gc.collect()
         h = m.fit(X, Y, batch_size=s, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
@@ -149,15 +153,55 @@ def test_a_step_over_the_budget_is_refused_before_it_runs_and_the_retry_trains()
     assert 128 < d["s"] < 1500 and d["peak"][0] <= 300 and d["loss"][0] == d["loss"][0]
 
 
+def test_after_a_step_that_fails_inside_fit_the_guard_puts_the_weights_back_and_a_retry_trains():
+    # fit() takes the values out of the variables for the epoch; a step that raises (here
+    # while it is traced: XLA's CPU client has no cap to run out of) leaves them empty, and
+    # the next fit() fails inside Keras. With MemGuardCallback the state goes back.
+    r = run(MODEL, """
+        fail = [True]
+        class Flaky(keras.Model):
+            def train_step(self, state, data):
+                if fail[0]:
+                    raise RuntimeError("a step that fails")
+                return super().train_step(state, data)
+        def flaky():
+            m = cnn()
+            f = Flaky(m.inputs, m.outputs)
+            f.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            f.fit(X[:64], Y[:64], batch_size=32, epochs=1, verbose=0) if not fail.__setitem__(0, False) else None
+            fail[0] = True
+            return f
+        out = {}
+        for guarded in (False, True):
+            f = flaky()
+            w0 = [np.array(v.value) for v in f.variables]
+            cbs = [tf_memguard.MemGuardCallback(verbose=0)] if guarded else []
+            try:
+                f.fit(X[:256], Y[:256], batch_size=64, epochs=1, verbose=0, callbacks=cbs)
+            except RuntimeError as e:
+                assert "a step that fails" in str(e), e
+            empty = sum(v._value is None for v in f.variables)
+            fail[0] = False
+            try:
+                h = f.fit(X[:256], Y[:256], batch_size=64, epochs=1, verbose=0, callbacks=cbs)
+                retry = h.history["loss"][0] == h.history["loss"][0]
+            except Exception as e:
+                retry = type(e).__name__
+            out[str(guarded)] = dict(empty=empty, retry=retry)
+        emit(**out)
+    """, env=JAX)
+    assert r.returncode == 0, r
+    assert r.data["True"] == {"empty": 0, "retry": True}, r.data
+    # Without the guard: Keras' own state after the failure (what the guard repairs).
+    assert r.data["False"]["empty"] > 0 and r.data["False"]["retry"] == "TypeError", r.data
+
+
 def test_find_batch_size_from_the_compiled_step_matches_the_callback_and_runs_nothing():
     r = run(MODEL, """
-        tf_memguard.install(max_bytes="300MiB", device="CPU:0")
-        m = cnn()
-        m.fit(X[:64], Y[:64], batch_size=32, epochs=1, verbose=0)
-        w0 = [np.array(v.value) for v in m.variables]
+        m, w0 = trained_a_little()
         size = tf_memguard.find_batch_size(m, X, Y)
         small = tf_memguard.find_batch_size(m, X, Y, max_bytes="60MiB")
-        same = all(np.array_equal(a, np.array(v.value)) for a, v in zip(w0, m.variables))
+        same = unchanged(m, w0)
         cb = tf_memguard.MemGuardCallback(verbose=0)
         m.fit(X, Y, batch_size=size, epochs=1, verbose=0, callbacks=[cb])
         try:
