@@ -203,9 +203,11 @@ class XlaRun:
             return None
         s = _advice.suggest(self.model, self.budget, running=self.run_batch, at_most=at_most,
                             method=self.method())
-        if s.batch_size != size and size:
+        if s.batch_size != size:  # only a size whose compiled step was checked is suggested
             import dataclasses
-            s = dataclasses.replace(s, batch_size=size, predicted_peak_bytes=self.model.budget_for(size))
+            one = max(self.model.budget_for(1), self.budget + (1 << 20)) if size == 0 else 0
+            s = dataclasses.replace(s, batch_size=size, predicted_peak_bytes=self.model.budget_for(size) if size else 0,
+                                    one_sample_bytes=one)
         return s
 
     def method(self):
