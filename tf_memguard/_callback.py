@@ -8,7 +8,7 @@ import warnings
 
 import keras
 
-from tf_memguard import _advice, _backend, _fit_args, _guard, _install, _monitor, _recording, _report
+from tf_memguard import _advice, _backend, _fit_args, _guard, _install, _monitor, _recording, _report, _workers
 from tf_memguard._errors import budget_exceeded_error
 from tf_memguard._failures import FailureHandling
 from tf_memguard._steps import StepSampler
@@ -82,6 +82,7 @@ class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
         super().__init__()
         self.device = _install.normalize_device(device) if device is not None else None
         self._xla = None
+        self._cluster = None
         self.warn_at = _fit_args.fraction("warn_at", warn_at)
         self.batch_size = _fit_args.positive_int("batch_size", batch_size, none_ok=True)
         if isinstance(verbose, bool) or verbose not in ("auto", 0, 1, 2):
@@ -99,11 +100,14 @@ class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         # Everything per run is reset here, so one instance serves several fit() calls.
         self._xla = None
+        self._cluster = None
         if _backend.framework() == "jax":
             self._active = False
             return self._xla_train_begin()
         self._device = _install.resolve_device(self.device)
         _recording.abort_all()  # a run interrupted before this one left nothing switched on
+        cluster = _workers.cluster_of(self.model)
+        self._cluster = _workers.ClusterRecord(cluster) if cluster is not None else None
         self._active = self._check_serving()
         if not self._active:
             return
@@ -188,12 +192,15 @@ class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
         logs = logs if logs is not None else {}
         if self._xla is not None:
             return self._xla_epoch_end(epoch, logs)
-        if not self._active:
-            return
-        record = self._monitor.epoch_end(epoch, logs, self._talks())
-        if self._sampler:
+        record = self._monitor.epoch_end(epoch, logs, self._talks()) if self._active else None
+        if self._active and self._sampler:
             self._sampler.epoch_end(epoch, self.model)
             self._suggestion = self._suggest() or self._suggestion
+        if self._cluster is not None:  # a collective: every worker takes part, active or not
+            self._suggestion = self._cluster.epoch_end(epoch, record, self._budget if self._active else 0,
+                                                       self._suggestion, logs)
+        if not self._active:
+            return
         budget = self._budget
         if budget and record.peak_bytes >= self.warn_at * budget and not self._warned:
             self._warned = True
@@ -236,7 +243,8 @@ class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
         model = self._sampler.model() if self._sampler else None
         self._report = _report.from_run(self._device, self._pool, self._start, self._monitor, self._run_batch,
                                         self._suggestion, self._oom, model, self._n, self.leak_epochs,
-                                        pending=pending)
+                                        pending=pending,
+                                        cluster=self._cluster.to_dict() if self._cluster else None)
         if self._talks():
             print(self._report)
 

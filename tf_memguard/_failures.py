@@ -5,7 +5,7 @@ requests that cannot be refused stopped, and anything left switched on put back.
 import warnings
 import weakref
 
-from tf_memguard import _advice, _backend, _core, _guard, _oom
+from tf_memguard import _advice, _backend, _core, _guard, _oom, _workers
 from tf_memguard._errors import budget_exceeded_error
 from tf_memguard._units import format_bytes
 
@@ -56,6 +56,7 @@ class FailureHandling:
         if refusal is None or refusal["kind"] != "constant" or self._pool.stats()["num_refusals"] <= refusals_before:
             return None
         self._oom = _oom.constant_refused(self._device, refusal, self._suggestion, self._run_batch)
+        self._tell_cluster()
         self._finish()
         return self._oom
 
@@ -72,7 +73,38 @@ class FailureHandling:
         if grew > 0 and getattr(self.model, "train_function", None) is not None:
             self.model.train_function = None
 
+    def _tell_cluster(self):
+        """In a multi-worker run, this worker's failure (self._oom) ends the others' steps."""
+        if self._cluster is not None:
+            if self._oom.endswith(_oom.RETRY):  # no retry in these processes
+                self._oom = self._oom[:-len(_oom.RETRY)]
+            self._cluster.tell_others(self._oom)
+            self._oom += (" The other workers were told and stopped; TensorFlow's collectives cannot be used "
+                          "again in these processes: restart the workers.")
+
+    @staticmethod
+    def _add_note(error, message):
+        note = "tf_memguard: " + message
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+        else:  # Python < 3.11
+            error._message = f"{error.message}\n\n{note}"
+
+    def _explain_told(self, error):
+        """True, with the note, when `error` is another worker's failure told to this one."""
+        other = _workers.told(error)
+        if other is None:
+            return False
+        self._end_abruptly()
+        me = self._cluster.cluster.name if self._cluster is not None else "this worker"
+        self._oom = f"{me} stopped because another worker ran out of memory: " + other[len("tf_memguard: "):]
+        self._add_note(error, self._oom)
+        self._finish()
+        return True
+
     def _explain_oom(self, error):
+        if self._explain_told(error):  # another worker ran out; this one's collectives were aborted
+            return
         if self._sampler:
             self._sampler.failed_step()
         _core.set_profile_batch(0)
@@ -85,7 +117,9 @@ class FailureHandling:
             message = _oom.not_in_the_pool(self._device, _backend.framework_name())
         else:
             if self._sampler and self._budget:
-                if self._sampler.after_oom_needs_steps():
+                # In a multi-worker run no step can run after the failure (its collectives
+                # are aborted): the advice is what the steps recorded before it give.
+                if self._sampler.after_oom_needs_steps() and self._cluster is None:
                     # Steps run now would meet the failed fit()'s data and batches, which
                     # the retry will not: the size is worked out when first read.
                     pending = _after_oom_resolver(self)
@@ -95,11 +129,8 @@ class FailureHandling:
                 self._suggestion = suggestion
             message = _oom.explain(self._device, refusal, suggestion, self._run_batch, deferred=pending is not None)
         self._oom = message
-        note = "tf_memguard: " + message
-        if hasattr(error, "add_note"):
-            error.add_note(note)
-        else:  # Python < 3.11
-            error._message = f"{error.message}\n\n{note}"
+        self._tell_cluster()
+        self._add_note(error, self._oom)
         self._finish(pending)
         if pending is not None:
             self._model = None   # see _after_oom_resolver
@@ -136,6 +167,7 @@ class FailureHandling:
         self._end_abruptly()
         self._oom = _oom.overshoot_stop(self._device, kind, over, self._budget, self._monitor.global_step,
                                         self._suggest(), self._run_batch)
+        self._tell_cluster()
         self._finish()
         raise budget_exceeded_error()("tf_memguard: " + self._oom)
 

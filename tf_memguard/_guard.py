@@ -42,6 +42,8 @@ def wrap(model, callback):
                 cb._explain_oom(e)
             raise
         except BaseException as e:
+            if cb._explain_told(e):  # another worker's failure, arriving as another error
+                raise
             cb._end_abruptly()
             message = cb._constant_refused(e, refusals)
             if message:

@@ -53,6 +53,10 @@ class Report:
             (XLA's peak rose during the epoch: exact) or "compiled" (the compiled step's
             size plus what was live beside it: a prediction); empty elsewhere.
         budget_kind: on JAX, "XLA's cap" (GPU) or "checked against the compiled step" (CPU).
+        cluster: in a multi-worker run (MultiWorkerMirroredStrategy), every worker's
+            epochs, gathered at each epoch's end: {"worker": this worker, "workers":
+            names in task order, "epochs": [{"epoch", "peak_bytes", "budget_bytes",
+            "live_bytes"}, ...], one list entry per worker}; None elsewhere.
     """
 
     device: str = "CPU:0"
@@ -75,6 +79,7 @@ class Report:
     samples: int = None
     peak_source: str = ""
     budget_kind: str = ""
+    cluster: dict = None
 
     # Worked out on first reading (after an out-of-memory error): a callable that sets them.
     _LAZY = frozenset(("suggested_batch_size", "suggestion_method", "advice", "memory_model"))
@@ -153,6 +158,9 @@ class Report:
             lines.append(f"batch size that fits the budget: {suggested}{now}, from {method}")
         elif suggested == 0:
             lines.append(f"no batch size fits the budget, by {method}: {self.__dict__['advice']}")
+        if self.cluster:
+            from tf_memguard._workers import report_lines
+            lines.extend(report_lines(self.cluster))
         lines.append(f"leak check: {self.leak}")
         if self.process_peak_rss_bytes:
             lines.append(f"process peak resident memory: {format_bytes(self.process_peak_rss_bytes)} (the budget "
@@ -228,11 +236,11 @@ def process_peak_rss():
 
 
 def from_run(device, pool, start, monitor, batch_size, suggestion, oom, model, samples, leak_epochs,
-             pending=None):
+             pending=None, cluster=None):
     """The Report of a MemGuardCallback run (and report()'s from now on): `start`, the
     pool's stats when it began; `monitor`, its _monitor.Monitor; `model`, the memory model
     of its step (or None); `pending`, a callable that sets the suggestion's fields when
-    they are first read."""
+    they are first read; `cluster`, the run's _workers.ClusterRecord as a dict."""
     from tf_memguard import _advice, _install
     s = pool.stats()
     cfg = _install.config(device)
@@ -248,7 +256,7 @@ def from_run(device, pool, start, monitor, batch_size, suggestion, oom, model, s
         advice=_advice.advice_sentence(suggestion, batch_size) if suggestion else "",
         leak=leak_verdict(monitor.live_at_end, leak_epochs, peak=peak), oom=oom,
         process_peak_rss_bytes=process_peak_rss() if device == "CPU:0" else 0,
-        memory_model=model.to_dict() if model is not None else None, samples=samples)
+        memory_model=model.to_dict() if model is not None else None, samples=samples, cluster=cluster)
     if pending is not None:
         rep._pending = pending
     set_last(rep)

@@ -1,0 +1,106 @@
+"""MultiWorkerMirroredStrategy: two CPU workers on 127.0.0.1, each under its own budget,
+started by examples/multi_worker.py as a user would. Each worker's report carries every
+worker's epochs, gathered through the strategy's all-gather; an out-of-memory error on one
+worker ends fit() on the other at once, with its explanation, even while the failed
+worker's process lives on."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+from tf_memguard import _workers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(ROOT, "examples", "multi_worker.py")
+MIB = 1 << 20
+
+
+def launch(tmp_path, *args, timeout=300):
+    out = tmp_path / "out"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([sys.executable, EXAMPLE, "--out", str(out), "--samples", "1024", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    workers = json.loads((out / "workers.json").read_text())
+    reports = {}
+    for w in workers:
+        path = out / f"worker-{w['worker']}.json"
+        if path.exists():
+            reports[w["worker"]] = json.loads(path.read_text())
+    return proc, workers, reports
+
+
+def test_two_workers_merged_report(tmp_path):
+    proc, workers, reports = launch(tmp_path, "--holds", "0,48", "--epochs", "2", "--budget", "256MiB")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert [w["exit"] for w in workers] == [0, 0]
+    r0, r1 = reports[0], reports[1]
+    for i, r in ((0, r0), (1, r1)):
+        c = r["cluster"]
+        assert c["worker"] == f"worker {i}" and c["workers"] == ["worker 0", "worker 1"]
+        assert len(c["epochs"]) == 2
+        for own, merged in zip(r["epochs"], c["epochs"]):
+            # The merged entry for this worker is this worker's own epoch peak.
+            assert merged["peak_bytes"][i] == own["peak_bytes"]
+            assert merged["budget_bytes"] == [256 * MIB, 256 * MIB]
+        assert r["peak_bytes"] <= r["budget_bytes"]
+    # Every worker holds the same merged record.
+    assert r0["cluster"]["epochs"] == [dict(e, gather_seconds=e2["gather_seconds"])
+                                       for e, e2 in zip(r1["cluster"]["epochs"], r0["cluster"]["epochs"])]
+    # Worker 1 keeps 48 MiB more alive: at each epoch's end it holds that much more, and it is
+    # the highest (the step's own peak differs between the workers by up to 22 MiB, seen).
+    for e in r0["cluster"]["epochs"]:
+        assert abs(e["live_bytes"][1] - e["live_bytes"][0] - 48 * MIB) < MIB
+        assert e["peak_bytes"][1] > e["peak_bytes"][0]
+    # The report names the highest worker; the logs carry the cluster's highest peak.
+    assert re.search(r"\n\s+1\s+\S+ MiB \(\d+%\) worker 1 ", proc.stdout), proc.stdout[-3000:]
+    histories = [json.loads(line[len("history "):]) for line in proc.stdout.splitlines()
+                 if line.startswith("history ")]
+    assert len(histories) == 2
+    for h in histories:
+        assert h["memguard_cluster_peak_mib"] == [round(e["peak_bytes"][1] / MIB, 2)
+                                                  for e in r0["cluster"]["epochs"]]
+    # One suggestion for the cluster: the smallest worker's, a multiple of the 2 replicas.
+    s0, s1 = r0["suggested_batch_size"], r1["suggested_batch_size"]
+    assert s0 == s1 and s0 and s0 % 2 == 0
+    assert s0 <= min(x for x in r0["cluster"]["epochs"][-1]["suggested_batch_size"])
+
+
+def test_oom_on_one_worker_ends_the_other_at_once(tmp_path):
+    # Worker 1's budget holds Keras' copy of the data but not a step; its process lives on
+    # for 30 s after its error. Without being told, worker 0 would wait in the all-reduce
+    # for as long (benchmarks/NOTES.md, "Multi-worker runs").
+    proc, workers, reports = launch(tmp_path, "--budgets", "256MiB,40MiB", "--epochs", "1", "--linger", "30")
+    assert [w["exit"] for w in workers] == [3, 3], proc.stdout[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ResourceExhaustedError at ")]
+    assert len(lines) == 2, proc.stdout[-4000:]
+    told = [line for line in lines if "worker 0 stopped because another worker ran out of memory: worker 1 ran out" in line]
+    own = [line for line in lines if "cannot allocate" in line and "stopped because" not in line]
+    assert len(told) == 1 and len(own) == 1, lines
+    assert "cannot allocate" in told[0] and "of the 40.0 MiB budget in use" in told[0]
+    assert "The other workers were told and stopped" in own[0]
+
+    def at(line):
+        return float(line.split()[2].rstrip(":"))
+    # fit() raised on worker 0 within seconds of worker 1's error, not after its 30 s.
+    assert abs(at(told[0]) - at(own[0])) < 10, lines
+    assert reports[0]["oom"].startswith("worker 0 stopped because another worker ran out of memory")
+    assert reports[1]["oom"].startswith("CPU:0: cannot allocate")
+
+
+def test_told_message_parsing_and_a_wide_report():
+    msg = ("Collective ops is aborted by: Collective ops is aborted by: tf_memguard: worker 3 ran out of memory: "
+           "CPU:0: cannot allocate 1 MiB.\nThe error could be from a previous operation. Restart your program.")
+    assert _workers.told(Exception(msg)) == "tf_memguard: worker 3 ran out of memory: CPU:0: cannot allocate 1 MiB."
+    assert _workers.told(Exception("OOM when allocating tensor")) is None
+    names = [f"worker {i}" for i in range(12)]
+    peaks = [(10 + i) * MIB for i in range(12)]
+    peaks[7] = 50 * MIB
+    cluster = {"worker": "worker 0", "workers": names,
+               "epochs": [{"epoch": 1, "peak_bytes": peaks, "budget_bytes": [100 * MIB] * 12,
+                           "live_bytes": [0] * 12, "suggested_batch_size": [300] * 6 + [None] + [200] * 5}]}
+    text = "\n".join(_workers.report_lines(cluster))
+    assert "50.0 MiB (50%) worker 7" in text and "10.0 MiB (10%) worker 0" in text
+    assert "worker 11" not in text.splitlines()[1]  # more than TABLE_WORKERS: highest and lowest only
+    assert "the smallest, worker 7's" in text
