@@ -138,7 +138,7 @@ class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
 
     def _check_serving(self):
         """False, with one warning per reason, when the pool does not see the tensors."""
-        reason = _install.not_serving()
+        reason = _install.not_serving(self._device)
         if reason is None:
             return True
         if reason not in _warned:

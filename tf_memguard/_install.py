@@ -109,9 +109,16 @@ def _check_plugin():
             "bypass tf_memguard, so a budget would not be enforced. Unset it before starting Python.")
 
 
-def not_serving():
-    """Why MemGuardCallback would record nothing (the pool does not see TensorFlow's
-    tensors), or None when it does. On Keras' torch backend, None."""
+def not_serving(device=None):
+    """Why MemGuardCallback would record nothing on `device` (the pool does not see the
+    framework's tensors), or None when it does."""
+    if _backend.framework() == "torch":
+        device = resolve_device(device)
+        if _core.find_device_pool(device) is None:
+            return (f"MemGuardCallback records nothing on {device}: on Keras' torch backend the tensors are in "
+                    f"tf_memguard's pool only after tf_memguard.install(max_bytes, device={device!r}), called "
+                    "before the model is built")
+        return None
     if _backend.framework() != "tensorflow":
         return None
     import tensorflow  # noqa: F401  (the plugin is loaded by it)

@@ -53,6 +53,10 @@ class Report:
             (XLA's peak rose during the epoch: exact) or "compiled" (the compiled step's
             size plus what was live beside it: a prediction); empty elsewhere.
         budget_kind: on JAX, "XLA's cap" (GPU) or "checked against the compiled step" (CPU).
+        devices: on Keras' JAX backend under a Keras distribution (DataParallel,
+            ModelParallel), each device's epochs: {"devices": names, "epochs": [{"epoch",
+            "peak_bytes", "budget_bytes", "source"}, ...]}, the peaks XLA's own per device
+            where they rose ("measured"), else the compiled step's per device; None elsewhere.
         cluster: in a multi-worker run (MultiWorkerMirroredStrategy), every worker's
             epochs, gathered at each epoch's end: {"worker": this worker, "workers":
             names in task order, "epochs": [{"epoch", "peak_bytes", "budget_bytes",
@@ -80,6 +84,7 @@ class Report:
     peak_source: str = ""
     budget_kind: str = ""
     cluster: dict = None
+    devices: dict = None
 
     # Worked out on first reading (after an out-of-memory error): a callable that sets them.
     _LAZY = frozenset(("suggested_batch_size", "suggestion_method", "advice", "memory_model"))
@@ -158,6 +163,10 @@ class Report:
             lines.append(f"batch size that fits the budget: {suggested}{now}, from {method}")
         elif suggested == 0:
             lines.append(f"no batch size fits the budget, by {method}: {self.__dict__['advice']}")
+        if self.devices:
+            names = self.devices["devices"]
+            lines.extend(per_unit_lines(f"per device ({len(names)} devices of Keras' distribution; the budget is each "
+                                        "device's):", names, self.devices["epochs"]))
         if self.cluster:
             from tf_memguard._workers import report_lines
             lines.extend(report_lines(self.cluster))
@@ -216,6 +225,35 @@ class Report:
         fig.savefig(path)
         plt.close(fig)
         return path
+
+
+# Beyond this many workers or devices the report names the highest and the lowest only
+# (all of them stay in the Report's dict).
+TABLE_UNITS = 8
+
+
+def per_unit_lines(title, names, epochs):
+    """A table of each epoch's peak per worker or device: `epochs`, dicts with "epoch",
+    "peak_bytes" and "budget_bytes" (one entry per name each)."""
+    lines = [title]
+    if not epochs:
+        return lines + ["  (no epoch finished)"]
+
+    def pct(e, i):
+        b = e["budget_bytes"][i]
+        return f" ({100 * e['peak_bytes'][i] / b:.0f}%)" if b else ""
+    wide = len(names) <= TABLE_UNITS
+    lines.append(f"{'epoch':>5}  {'highest':<28}" + ("".join(f"{n:>16}" for n in names) if wide else f"  {'lowest':<28}"))
+    for e in epochs:
+        peaks = e["peak_bytes"]
+        hi, lo = peaks.index(max(peaks)), peaks.index(min(peaks))
+        row = f"{e['epoch']:>5}  {format_bytes(peaks[hi]) + pct(e, hi) + ' ' + names[hi]:<28}"
+        if wide:
+            row += "".join(f"{format_bytes(p) + pct(e, i):>16}" for i, p in enumerate(peaks))
+        else:
+            row += f"  {format_bytes(peaks[lo]) + pct(e, lo) + ' ' + names[lo]:<28}"
+        lines.append(row)
+    return lines
 
 
 def leak_verdict(live_bytes, epochs=3, min_growth=1 << 20, rel_growth=0.01, peak=0):

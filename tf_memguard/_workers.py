@@ -141,35 +141,14 @@ class ClusterRecord:
         return {"worker": self.cluster.name, "workers": self.cluster.names, "epochs": list(self.epochs)}
 
 
-# Beyond this many workers the report names the highest and the lowest only (all of them
-# stay in Report.cluster).
-TABLE_WORKERS = 8
-
-
 def report_lines(cluster):
     """The report's per-worker section, from ClusterRecord.to_dict()."""
-    from tf_memguard._units import format_bytes
+    from tf_memguard._report import per_unit_lines
     names, epochs = cluster["workers"], cluster["epochs"]
-    lines = [f"per worker ({len(names)} workers, gathered each epoch; this report is {cluster['worker']}'s):"]
-    if not epochs:
-        return lines + ["  (no epoch finished)"]
-
-    def pct(e, i):
-        b = e["budget_bytes"][i]
-        return f" ({100 * e['peak_bytes'][i] / b:.0f}%)" if b else ""
-    wide = len(names) <= TABLE_WORKERS
-    header = f"{'epoch':>5}  {'highest':<28}" + ("".join(f"{n:>16}" for n in names) if wide else f"  {'lowest':<28}")
-    lines.append(header)
-    for e in epochs:
-        peaks = e["peak_bytes"]
-        hi, lo = peaks.index(max(peaks)), peaks.index(min(peaks))
-        row = f"{e['epoch']:>5}  {format_bytes(peaks[hi]) + pct(e, hi) + ' ' + names[hi]:<28}"
-        if wide:
-            row += "".join(f"{format_bytes(p) + pct(e, i):>16}" for i, p in enumerate(peaks))
-        else:
-            row += f"  {format_bytes(peaks[lo]) + pct(e, lo) + ' ' + names[lo]:<28}"
-        lines.append(row)
-    sizes = [(s, i) for i, s in enumerate(epochs[-1].get("suggested_batch_size", [])) if s is not None]
+    lines = per_unit_lines(f"per worker ({len(names)} workers, gathered each epoch; this report is "
+                           f"{cluster['worker']}'s):", names, epochs)
+    sizes = [(s, i) for i, s in enumerate(epochs[-1].get("suggested_batch_size", [])) if s is not None] \
+        if epochs else []
     if sizes:
         smallest, i = min(sizes)
         lines.append(f"batch sizes the workers' own steps fit: {', '.join(str(s) for s, _ in sorted(sizes, key=lambda t: t[1]))}"

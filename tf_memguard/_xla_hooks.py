@@ -99,7 +99,9 @@ class XlaHooks:
                                       "client keeps no statistics)",
             oom=run.oom, memory_model=run.model.to_dict() if run.model is not None and run.model.points else None,
             samples=self._n, peak_source=", ".join(sources) if sources else "",
-            budget_kind=("XLA's cap" if run.enforced else "checked against the compiled step") if cfg else "")
+            budget_kind=("XLA's cap" if run.enforced else "checked against the compiled step") if cfg else "",
+            devices={"devices": list(run.devices), "epochs": list(run.device_epochs)} if len(run.devices) > 1
+            else None)
         _report.set_last(rep)
         self._report = rep
         if self._talks():

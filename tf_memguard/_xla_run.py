@@ -49,28 +49,33 @@ class XlaRun:
         self._snapshot = None
         self._stats_peak = self._peak_now()
         self.on_gpu = device.startswith("GPU")
+        # Under a Keras distribution the step runs on each of its devices, the compiled
+        # step is per device (_xla_step.state_spec) and so is the budget.
+        self.devices = _xla_step.distribution_devices() or [device]
+        self.device_epochs = []    # per device, when there are several (Report.devices)
+        self._device_start = {d: self._peak_now(d) for d in self.devices}
 
     # -- measurements --------------------------------------------------------------------
 
-    def _stats(self):
+    def _stats(self, device=None):
         try:
-            return _xla.memory_stats(self.device) or {}
+            return _xla.memory_stats(device or self.device) or {}
         except RuntimeError:
             return {}
 
-    def _peak_now(self):
-        return int(self._stats().get("peak_bytes_in_use", 0))
+    def _peak_now(self, device=None):
+        return int(self._stats(device).get("peak_bytes_in_use", 0))
 
     def _live_outside(self, state, data):
         """Bytes live on the device outside this step's arguments."""
         s = self._stats()
         if "bytes_in_use" in s:
-            on_device = sum(a.nbytes for a in _leaves((state, data)) if hasattr(a, "is_deleted")
-                            and not a.is_deleted())
+            on_device = _xla_step.nbytes([a for a in _leaves((state, data)) if hasattr(a, "is_deleted")
+                                          and not a.is_deleted()])
             return max(0, int(s["bytes_in_use"]) - on_device)
         import jax
         args = {id(a) for a in _leaves((state, data))}
-        return int(sum(a.nbytes for a in jax.live_arrays() if id(a) not in args))
+        return _xla_step.nbytes([a for a in jax.live_arrays() if id(a) not in args])
 
     def predicted(self, compiled, outside):
         """The step's peak by its compiled size, without the residual."""
@@ -138,7 +143,7 @@ class XlaRun:
             self.model.largest_free = max(self.model.largest_free, free) if batch != self.run_batch else free
         self.model.add(compiled)
         self.step_peaks[batch] = raw
-        if self.budget and (peak > self.budget or not self.model.contiguous_fits(compiled.temp)):
+        if self.budget and (peak > self.budget or not self.model.contiguous_fits(compiled.temp, margin=False)):
             self.restore(model, state)  # nothing was donated: the step did not run
             self.oom = self.refusal_text(batch, compiled, outside, peak, model)
             raise self.error(self.oom)
@@ -198,7 +203,8 @@ class XlaRun:
         if below:
             at_most = min(at_most or below - 1, below - 1)
         self.model.residual = self.residual
-        size = _xla_step.verified_largest(self.model, self.compiler, self.budget, at_most=at_most, oom=_xla.is_oom)
+        size = _xla_step.verified_largest(self.model, self.compiler, self.budget, at_most=at_most, oom=_xla.is_oom,
+                                          multiple=len(self.devices))
         if not self.model.points:
             return None
         s = _advice.suggest(self.model, self.budget, running=self.run_batch, at_most=at_most,
@@ -213,6 +219,8 @@ class XlaRun:
     def method(self):
         sizes = ", ".join(str(p[0]) for p in self.model.points)
         extra = f", {format_bytes(self.residual)} measured beyond it" if self.residual else ""
+        if self.model.margin:
+            extra += f", {format_bytes(self.model.margin)} kept for a recompile's matmul workspace"
         return f"the step XLA compiled (batch sizes {sizes}{extra})"
 
     def refusal_text(self, batch, compiled, outside, peak, model):
@@ -251,6 +259,7 @@ class XlaRun:
     def epoch_begin(self, epoch):
         self._epoch = epoch
         self._stats_peak = self._peak_now()
+        self._device_start = {d: self._peak_now(d) for d in self.devices}
         self._checked = {}
         if self._snapshot is not None:
             self._snapshot = None  # taken again at the next step, from the state fit() passes
@@ -273,6 +282,16 @@ class XlaRun:
             self.steps[-1] = self.steps[-1][:2] + (int(stats.get("bytes_in_use", 0)),) + self.steps[-1][3:]
         if measured > self._stats_peak:
             self.residual = max(self.residual, measured - predicted)
+        if len(self.devices) > 1:
+            peaks, sources = [], []
+            for d in self.devices:
+                m = self._peak_now(d)
+                rose = m > self._device_start.get(d, 0)
+                peaks.append(m if rose else predicted + self.residual)
+                sources.append("measured" if rose else "compiled")
+            self.device_epochs.append({"epoch": epoch + 1, "peak_bytes": [int(p) for p in peaks],
+                                       "budget_bytes": [int(self.budget)] * len(peaks), "source": sources})
+        if measured > self._stats_peak:
             return measured, "measured"
         return predicted + self.residual, "compiled"
 

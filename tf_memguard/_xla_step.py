@@ -15,6 +15,16 @@ within 0.1-2% of XLA's own peak for a CNN at batch 64-2,048 and a 4-block transf
 ahead (no look-ahead on CPU: Keras' JAXEpochIterator). A run measures that gap where XLA
 keeps statistics (`residual`); StepMemory adds it.
 
+The same step compiled in another process can plan more temporaries than the one the
+advice compiled: XLA's autotuning picks each cuBLAS matmul's algorithm afresh, and gives
+each one a workspace of up to GemmConfig::kHopperWorkspace (32 MiB on compute capability
+9.0 and newer, kDefaultWorkspace 4 MiB before; xla/service/gpu/matmul_utils.h), shrunk to
+what the chosen algorithm needs. Matmuls run one at a time, so at any moment a recompile
+can hold at most one workspace more: the advice keeps that much free (`margin`; measured
+on the H200: a transformer's step at batch 230 planned 26 MiB more in a fresh process,
+benchmarks/NOTES.md). The check before a step runs uses the step compiled for it, without
+the margin.
+
 XlaStepModel holds the compiled sizes of a few batch sizes and answers the same questions
 as the pool's StepModel (need, fits, largest_fitting, budget_for), for _advice's
 Suggestion, the report and `python -m tf_memguard what-if`.
@@ -25,24 +35,68 @@ import numpy as np
 
 KIND = "xla-compiled"
 
+# XLA's cuBLAS workspace per matmul (GemmConfig, xla/service/gpu/matmul_utils.h).
+HOPPER_WORKSPACE = 32 << 20
+DEFAULT_WORKSPACE = 4 << 20
 
-def _spec(a):
+
+def matmul_workspace(device, hlo_text):
+    """The bytes one matmul's workspace can add in a recompile of the program `hlo_text`
+    on `device` (a jax Device): 0 without cuBLAS calls or off CUDA."""
+    if getattr(device, "platform", "") != "gpu" or "__cublas" not in hlo_text:
+        return 0
+    cc = str(getattr(device, "compute_capability", "") or "0")
+    try:
+        major = int(cc.split(".")[0])
+    except ValueError:
+        major = 0
+    return HOPPER_WORKSPACE if major >= 9 else DEFAULT_WORKSPACE
+
+
+def _distribution():
+    """Keras' distribution in force (keras.distribution.set_distribution), or None."""
+    try:
+        from keras.src.distribution import distribution_lib
+        return distribution_lib.distribution()
+    except ImportError:
+        return None
+
+
+def _sharding(layout):
+    try:
+        return layout.backend_layout if layout is not None else None
+    except Exception:  # noqa: BLE001 - a layout Keras cannot map: compile unsharded
+        return None
+
+
+def _spec(a, sharding=None):
     import jax
-    return jax.ShapeDtypeStruct(tuple(a.shape), np.dtype(a.dtype))
+    return jax.ShapeDtypeStruct(tuple(a.shape), np.dtype(a.dtype), sharding=sharding)
+
+
+def _variable_sharding(v, dist):
+    value = getattr(v, "_value", None)
+    if value is not None and hasattr(value, "sharding"):
+        return value.sharding
+    return _sharding(dist.get_variable_layout(v)) if dist is not None else None
 
 
 def state_spec(model):
     """The train step's state argument as ShapeDtypeStructs (from the variables' shapes, so
-    it works while fit() has purged their values)."""
+    it works while fit() has purged their values). Under a Keras distribution
+    (keras.distribution.DataParallel, ModelParallel) each carries its sharding, so the
+    program compiled is the one each device runs, and memory_analysis() is per device."""
+    dist = _distribution()
     groups = (model.trainable_variables, model.non_trainable_variables,
               model.optimizer.variables, model.metrics_variables)
-    return tuple([_spec(v) for v in g] for g in groups)
+    return tuple([_spec(v, _variable_sharding(v, dist)) for v in g] for g in groups)
 
 
 def data_spec(batch, size=None):
     """The structure of `batch` (arrays with the batch first) as ShapeDtypeStructs, the
-    batch dimension set to `size` if given."""
+    batch dimension set to `size` if given, sharded as Keras' distribution shards it."""
     import jax
+    dist = _distribution()
 
     def one(a):
         if a is None:
@@ -50,8 +104,22 @@ def data_spec(batch, size=None):
         shape = tuple(a.shape)
         if size is not None and shape:
             shape = (int(size),) + shape[1:]
-        return jax.ShapeDtypeStruct(shape, np.dtype(a.dtype))
+        sharding = _sharding(dist.get_data_layout(shape)) if dist is not None and shape else None
+        return jax.ShapeDtypeStruct(shape, np.dtype(a.dtype), sharding=sharding)
     return jax.tree_util.tree_map(one, batch, is_leaf=lambda a: a is None)
+
+
+def distribution_devices():
+    """The devices Keras' distribution spreads the step over (names as "CPU:0", "GPU:1"),
+    or None without one."""
+    dist = _distribution()
+    if dist is None:
+        return None
+    try:
+        devices = list(np.asarray(dist.device_mesh.devices).flat)
+    except Exception:  # noqa: BLE001
+        return None
+    return [f"{'GPU' if d.platform == 'gpu' else d.platform.upper()}:{d.id}" for d in devices]
 
 
 def batch_of(spec):
@@ -61,9 +129,19 @@ def batch_of(spec):
 
 
 def nbytes(tree):
+    """Bytes of the arrays (or ShapeDtypeStructs) in `tree` on one device: a sharded one
+    counts its shard."""
     import jax
-    return int(sum(np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize
-                   for a in jax.tree_util.tree_leaves(tree) if hasattr(a, "shape")))
+    total = 0
+    for a in jax.tree_util.tree_leaves(tree):
+        if not hasattr(a, "shape"):
+            continue
+        shape = tuple(a.shape)
+        sharding = getattr(a, "sharding", None)
+        if sharding is not None and hasattr(sharding, "shard_shape"):
+            shape = tuple(sharding.shard_shape(shape))
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+    return int(total)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +153,7 @@ class Compiled:
     temp: int
     alias: int
     data: int  # bytes of the batch among the arguments
+    margin: int = 0  # what a recompile may plan more (matmul_workspace)
 
     @property
     def step(self):
@@ -99,9 +178,14 @@ class Compiler:
         size = int(size)
         if size not in self.cache:
             data = data_spec(self.example, size)
-            ma = self._jit.lower(self.state, data).compile().memory_analysis()
+            import jax
+            compiled = self._jit.lower(self.state, data).compile()
+            ma = compiled.memory_analysis()
+            device = jax.devices()[0]
+            margin = matmul_workspace(device, compiled.as_text() or "") if device.platform == "gpu" else 0
             self.cache[size] = Compiled(size, int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes),
-                                        int(ma.temp_size_in_bytes), int(ma.alias_size_in_bytes), nbytes(data))
+                                        int(ma.temp_size_in_bytes), int(ma.alias_size_in_bytes), nbytes(data),
+                                        margin)
         return self.cache[size]
 
 
@@ -109,10 +193,11 @@ class Compiler:
 class XlaStepModel:
     """The step's memory at any batch size, from the compiled step at a few.
 
-    need(b) = fixed + residual + step(b) + ahead * data(b): `fixed`, what is live outside
-    the step's arguments; `residual`, what a run measured beyond the prediction; step(b), piecewise linear through the compiled sizes and extended
-    by the line through the two nearest; `ahead`, batches Keras holds on the device
-    beside the step's own (1 on GPU, 0 on CPU)."""
+    need(b) = fixed + residual + margin + step(b) + ahead * data(b): `fixed`, what is live
+    outside the step's arguments; `residual`, what a run measured beyond the prediction;
+    `margin`, what a recompile may plan more (module docstring); step(b), piecewise linear
+    through the compiled sizes and extended by the line through the two nearest; `ahead`,
+    batches Keras holds on the device beside the step's own (1 on GPU, 0 on CPU)."""
 
     points: list            # [(batch, step bytes, data bytes, temp bytes)] sorted by batch
     fixed: int              # bytes live outside the step's arguments
@@ -120,10 +205,12 @@ class XlaStepModel:
     residual: int = 0       # measured peak minus predicted at the running size (>= 0)
     method: str = "the compiled step"
     largest_free: int = 0   # the largest free block XLA had at a step's start (0: unknown)
+    margin: int = 0         # what a recompile may plan more (matmul_workspace)
 
-    def contiguous_fits(self, temp):
-        """XLA's temporaries are one buffer: it must fit in one free block."""
-        return not self.largest_free or temp <= self.largest_free
+    def contiguous_fits(self, temp, margin=True):
+        """XLA's temporaries are one buffer: it must fit in one free block (with the
+        recompile margin, for advice; without, for the step about to run)."""
+        return not self.largest_free or temp + (self.margin if margin else 0) <= self.largest_free
 
     @property
     def base_batch(self):
@@ -147,7 +234,7 @@ class XlaStepModel:
     def need(self, b):
         b = max(1, int(b))
         step, data = self._line(b, 1), self._line(b, 2)
-        return {"peak_account": int(self.fixed + self.residual + step + self.ahead * data)}
+        return {"peak_account": int(self.fixed + self.residual + self.margin + step + self.ahead * data)}
 
     def fits(self, b, budget):
         if self.need(b)["peak_account"] > budget:
@@ -172,30 +259,35 @@ class XlaStepModel:
 
     def to_dict(self):
         return {"kind": KIND, "points": [list(p) for p in self.points], "fixed": self.fixed, "ahead": self.ahead,
-                "residual": self.residual, "method": self.method, "largest_free": self.largest_free}
+                "residual": self.residual, "method": self.method, "largest_free": self.largest_free,
+                "margin": self.margin}
 
     @classmethod
     def from_dict(cls, d):
         return cls(points=[tuple(p) for p in d["points"]], fixed=d["fixed"], ahead=d.get("ahead", 0),
                    residual=d.get("residual", 0), method=d.get("method", "the compiled step"),
-                   largest_free=d.get("largest_free", 0))
+                   largest_free=d.get("largest_free", 0), margin=d.get("margin", 0))
 
     def add(self, compiled):
         pts = {p[0]: p for p in self.points}
         pts[compiled.batch_size] = (compiled.batch_size, compiled.step, compiled.data, compiled.temp)
         self.points = sorted(pts.values())
+        self.margin = max(self.margin, compiled.margin)
 
 
-def verified_largest(model, compiler, budget, at_most=None, compiles=3, oom=lambda e: False):
+def verified_largest(model, compiler, budget, at_most=None, compiles=3, oom=lambda e: False, multiple=1):
     """The largest batch size whose compiled step fits `budget` by `model` (an
     XlaStepModel fed from `compiler`): the line's answer, compiled and checked, at most
     `compiles` times; only a compiled size is returned (0 when none fits). A size whose
-    compilation runs out of memory (autotuning under the cap: `oom(error)`) does not fit."""
+    compilation runs out of memory (autotuning under the cap: `oom(error)`) does not fit.
+    `multiple`: sizes are multiples of it (the devices a Keras distribution splits the
+    batch over: a batch that does not divide cannot be sharded)."""
     refused = []
     if len(model.points) < 2 and at_most:
         # One size gives no line: a second below it (after a refusal the refused size is
         # usually the only one compiled, or none where its compilation ran out of memory).
         size = min(model.points[0][0] // 2, at_most) if model.points else at_most
+        size = size // multiple * multiple
         for _ in range(4):
             if size < 1 or any(p[0] == size for p in model.points):
                 break
@@ -206,13 +298,14 @@ def verified_largest(model, compiler, budget, at_most=None, compiles=3, oom=lamb
                 if not oom(e):
                     raise
                 refused.append(size)
-                size //= 4
+                size = size // 4 // multiple * multiple
     if not model.points:
         return 0
     for _ in range(compiles):
         b = model.largest_fitting(budget, at_most=at_most)
         if refused:
             b = min(b, min(refused) - 1)
+        b = b // multiple * multiple
         if b <= 0 or any(p[0] == b for p in model.points):
             break
         try:
@@ -222,6 +315,7 @@ def verified_largest(model, compiler, budget, at_most=None, compiles=3, oom=lamb
                 raise
             refused.append(b)
     ok = [p[0] for p in model.points if model.fits(p[0], budget) and (not at_most or p[0] <= at_most)
+          and p[0] % multiple == 0
           and not any(p[0] >= r for r in refused)]
     return max(ok, default=0)
 
@@ -254,9 +348,11 @@ def find(model, x, y, budget, device, samples, start=None):
         outside = max(0, int(stats["bytes_in_use"]) - nbytes(state))
     else:
         ids = {id(a) for a in state}
-        outside = int(sum(a.nbytes for a in jax.live_arrays() if id(a) not in ids))
+        outside = nbytes([a for a in jax.live_arrays() if id(a) not in ids])
     model_ = XlaStepModel(points=[], fixed=outside, ahead=1 if on_gpu else 0,
                           largest_free=int((stats or {}).get("largest_free_block_bytes", 0)))
     model_.add(compiler.at(batch_of(data)))
-    size = verified_largest(model_, compiler, budget, at_most=samples, compiles=4, oom=_xla.is_oom)
+    devices = distribution_devices()
+    size = verified_largest(model_, compiler, budget, at_most=samples, compiles=4, oom=_xla.is_oom,
+                            multiple=len(devices) if devices else 1)
     return size, model_

@@ -12,10 +12,15 @@ per process), all from one call of this script:
            process that trains (its loss read every step: XLA reports a failed step only
            when its result is read).
   trains   fit at the suggestion for 2 epochs in a fresh process, loss read every step.
-  limit    the largest batch size that trains 2 epochs (each a fresh process, loss read
-           every step): a bisection between the suggestion and 1.5x it.
-  timing   in one process, fit(epochs=1) alternately without and with MemGuardCallback
-           (4 each after a warm-up): the median epoch time with over without.
+  limit    the largest batch size that trains 2 epochs in 2 of 2 fresh processes (loss
+           read every step), on a grid from the suggestion to 1.25x it (steps of 3-10%).
+  timing   in one process, fit(epochs=4) alternately without and with MemGuardCallback
+           (3 rounds after a warm-up, 4x the samples: epochs of 64 steps): the median
+           epoch time (epochs 2-4 of each fit) with over without. Run alone on the GPU.
+
+The advice runs first (both models at once), then the timing (one process at a time),
+then every other job, TFMG_JAX_PARALLEL (8) processes at a time: each process has its own
+cap, so the jobs do not share memory, only the GPU's time.
 
 Usage (from the repository root, Keras as wheels in /tmp/site): python3
 benchmarks/gpu/keras_jax.py --out DIR; writes DIR/gpu_keras_jax.json.
@@ -112,6 +117,8 @@ def one(job, kind, batch):
         except Exception as e:  # noqa: BLE001 - the type is measured
             out["error"] = f"{type(e).__name__}: {str(e)[:1200]}"
         out["seconds_to_error"] = time.perf_counter() - t
+        import gc
+        gc.collect()  # as the error's note says: the failed fit()'s batches go with it
         out["weights_unchanged"] = all(np.array_equal(a, np.array(v.value)) for a, v in zip(w0, m.trainable_variables))
         s = tf_memguard.report().suggested_batch_size
         out["suggestion"] = s
@@ -140,6 +147,7 @@ def one(job, kind, batch):
                 float(logs["loss"])
                 self.t.append(time.perf_counter() - self.t0)
         plain, guarded = [], []
+        X, Y = np.concatenate([X] * 4), np.concatenate([Y] * 4)
         m.fit(X, Y, batch_size=batch, epochs=1, verbose=0)
         for _ in range(3):  # ABAB: epochs 2-4 of each fit (the first holds the per-fit check)
             for cbs, into in (([], plain), ([tf_memguard.MemGuardCallback(verbose=0, advice=False)], guarded)):
@@ -152,8 +160,13 @@ def one(job, kind, batch):
 
 
 def run(job, kind, batch):
-    p = subprocess.run([sys.executable, __file__, "--one", job, kind, str(batch)], capture_output=True, text=True,
-                       timeout=150)
+    try:
+        p = subprocess.run([sys.executable, __file__, "--one", job, kind, str(batch)], capture_output=True,
+                           text=True, timeout=240)
+    except subprocess.TimeoutExpired as e:
+        r = {"job": job, "kind": kind, "batch": batch, "timed_out": True, "stderr": str(e.stderr or "")[-2000:]}
+        print(json.dumps(r), flush=True)
+        return r
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     r = json.loads(lines[-1][7:]) if lines else {"job": job, "kind": kind, "batch": batch, "rc": p.returncode,
                                                  "stderr": p.stderr[-2000:]}
@@ -171,34 +184,54 @@ def main():
         return
     results = {"cap": CAP, "models": {}}
     path = os.path.join(a.out, "gpu_keras_jax.json")
+
     def save():
         with open(path, "w") as f:
             json.dump(results, f, indent=1, default=str)
-    for kind, half in (("cnn", 256), ("transformer", 96)):
-        r = results["models"][kind] = {}
-        r["advice"] = adv = run("advice", kind, half)
-        s = adv.get("suggestion") or half
-        r["oom"] = run("oom", kind, 4 * s)
-        r["trains"] = [run("trains", kind, s), run("trains", kind, s)]
-        r["timing"] = run("timing", kind, half)
-        save()
-    for kind, r in results["models"].items():  # the largest that trains, near the suggestion
-        s = r["advice"].get("suggestion") or 1
+    halves = {"cnn": 256, "transformer": 96}
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(int(os.environ.get("TFMG_JAX_PARALLEL", 8)))
+    advice = {k: pool.submit(run, "advice", k, h) for k, h in halves.items()}
+    for kind, half in halves.items():
+        results["models"][kind] = {"advice": advice[kind].result()}
+    save()
+    for kind, half in halves.items():  # alone on the GPU (TFMG_JAX_TIMING=0: not run, for a dry run)
+        results["models"][kind]["timing"] = run("timing", kind, half) \
+            if os.environ.get("TFMG_JAX_TIMING", "1") != "0" else {}
+    save()
+    jobs = {}
+    for kind, r in results["models"].items():
+        s = r["advice"].get("suggestion") or halves[kind]
+        r["grid"] = grid = sorted({s} | {int(s * f) for f in (1.03, 1.06, 1.1, 1.15, 1.25)})
+        jobs[(kind, "oom")] = pool.submit(run, "oom", kind, 4 * s)
+        for b in grid:
+            for i in range(2):
+                jobs[(kind, b, i)] = pool.submit(run, "trains", kind, b)
+    for kind, r in results["models"].items():
+        s = r["advice"].get("suggestion") or halves[kind]
+        r["oom"] = jobs[(kind, "oom")].result()
+        r["trains"] = [jobs[(kind, s, i)].result() for i in range(2)]
+        runs = {b: [jobs[(kind, b, i)].result() for i in range(2)] for b in r["grid"]}
+        r["limit_runs"] = {b: [bool(t.get("trained")) for t in ts] for b, ts in runs.items()}
+        largest, failed = 0, None
+        for b in r["grid"]:  # the largest of the grid below which every size trained 2 of 2
+            if all(r["limit_runs"][b]):
+                largest = b
+            else:
+                failed = b
+                break
+        r["largest_trained"] = largest or None
+        r["smallest_failed"] = failed
         ok = all(t.get("trained") for t in r["trains"])
-        lo, hi = (s, int(1.3 * s) + 1) if ok else (max(1, s // 2), s)
-        probes = []
-        while hi - lo > max(2, s // 50) and len(probes) < 3:
-            mid = (lo + hi) // 2
-            t = run("trains", kind, mid)
-            probes.append(t)
-            lo, hi = (mid, hi) if t.get("trained") else (lo, mid)
-        r["limit_probes"] = probes
-        r["largest_trained_at_least"] = lo
-        r["smallest_failed"] = hi if hi != int(1.3 * s) + 1 else None
-        r["suggestion_over_largest"] = s / lo if ok else None
+        r["suggestion_trained_2_of_2"] = ok
+        # The true largest lies in [largest, failed): the ratio in (s / failed, s / largest].
+        r["suggestion_over_largest"] = s / largest if ok and largest else None
+        r["suggestion_over_largest_at_least"] = s / failed if ok and failed else None
         save()
-    print(json.dumps({k: {"suggestion": v["advice"].get("suggestion"), "largest": v["largest_trained_at_least"],
-                          "ratio": v["suggestion_over_largest"], "timing": v["timing"].get("ratio")}
+    print(json.dumps({k: {"suggestion": v["advice"].get("suggestion"), "trained_2_of_2":
+                          v["suggestion_trained_2_of_2"], "largest_trained": v["largest_trained"],
+                          "smallest_failed": v["smallest_failed"], "ratio": v["suggestion_over_largest"],
+                          "timing": v["timing"].get("ratio"), "oom_retry": v["oom"].get("retry")}
                       for k, v in results["models"].items()}))
 
 

@@ -233,3 +233,66 @@ def test_what_if_reads_a_jax_report():
     assert r.returncode == 0, r
     assert r.data["rc"] == 0, r.data
     assert "largest batch size that fits" in r.data["out"] and "fits 1.00 GiB" in r.data["out"]
+
+
+def test_the_recompile_margin_is_one_matmul_workspace_and_the_advice_keeps_it():
+    from tf_memguard._xla_step import DEFAULT_WORKSPACE, HOPPER_WORKSPACE, XlaStepModel, matmul_workspace
+
+    class Device:
+        def __init__(self, platform, cc):
+            self.platform, self.compute_capability = platform, cc
+    gemm = 'custom-call(...), custom_call_target="__cublas$gemm"'
+    assert matmul_workspace(Device("gpu", "9.0"), gemm) == HOPPER_WORKSPACE == 32 << 20
+    assert matmul_workspace(Device("gpu", "8.6"), gemm.replace("gemm", "lt$matmul")) == DEFAULT_WORKSPACE
+    assert matmul_workspace(Device("gpu", "9.0"), "convolution only") == 0
+    assert matmul_workspace(Device("cpu", ""), gemm) == 0
+    mib = 1 << 20
+    m = XlaStepModel(points=[(10, 100 * mib, mib, 80 * mib), (20, 200 * mib, 2 * mib, 160 * mib)], fixed=0)
+    without = m.largest_fitting(150 * mib)
+    m.margin = 32 * mib
+    assert m.largest_fitting(150 * mib) < without and m.need(10)["peak_account"] == 132 * mib
+    assert XlaStepModel.from_dict(m.to_dict()).margin == 32 * mib
+    # The step about to run is checked as compiled: the margin is for advice only.
+    m.largest_free = 100 * mib
+    assert m.contiguous_fits(80 * mib, margin=False) and not m.contiguous_fits(80 * mib)
+
+
+DATA_PARALLEL = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import warnings; warnings.simplefilter("ignore")
+import numpy as np, keras, jax, tf_memguard
+tf_memguard.install(max_bytes="60MiB", device="CPU:0")
+if DISTRIBUTED:
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+keras.utils.set_random_seed(0)
+m = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Conv2D(16, 3, activation="relu"),
+                      keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(4)])
+m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+rng = np.random.default_rng(0)
+X = rng.random((1000, 32, 32, 3), dtype=np.float32); Y = rng.integers(0, 4, 1000)
+cb = tf_memguard.MemGuardCallback(verbose=0)
+m.fit(X, Y, batch_size=64, epochs=2, verbose=0, callbacks=[cb])
+r = cb.report
+s = r.suggested_batch_size
+h = m.fit(X, Y, batch_size=s, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+emit(peak=r.peak_bytes, devices=r.devices, suggestion=s, text=str(r), retrained=bool(np.isfinite(h.history["loss"][-1])))
+"""
+
+
+def test_data_parallel_over_two_devices_reports_each_device_and_advises_a_size_that_shards():
+    alone = run("DISTRIBUTED = False", DATA_PARALLEL, env=JAX, timeout=900).data
+    r = run("DISTRIBUTED = True", DATA_PARALLEL, env=JAX, timeout=900)
+    d = r.data
+    assert d is not None and alone is not None, r
+    assert alone["devices"] is None
+    dev = d["devices"]
+    assert dev["devices"] == ["CPU:0", "CPU:1"] and len(dev["epochs"]) == 2
+    for e in dev["epochs"]:
+        assert e["budget_bytes"] == [60 << 20] * 2 and e["source"] == ["compiled"] * 2
+        assert abs(e["peak_bytes"][0] - d["peak"]) < 4096  # the same compiled step (what was live beside it moves)
+    # Each device runs half the batch: its compiled step is about half the single device's.
+    assert 0.4 * alone["peak"] < d["peak"] < 0.6 * alone["peak"], (d["peak"], alone["peak"])
+    # The suggestion divides over the 2 devices, and trains under the check.
+    assert d["suggestion"] and d["suggestion"] % 2 == 0 and d["retrained"], d
+    assert "per device (2 devices of Keras' distribution" in d["text"]

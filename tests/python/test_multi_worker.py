@@ -102,5 +102,5 @@ def test_told_message_parsing_and_a_wide_report():
                            "live_bytes": [0] * 12, "suggested_batch_size": [300] * 6 + [None] + [200] * 5}]}
     text = "\n".join(_workers.report_lines(cluster))
     assert "50.0 MiB (50%) worker 7" in text and "10.0 MiB (10%) worker 0" in text
-    assert "worker 11" not in text.splitlines()[1]  # more than TABLE_WORKERS: highest and lowest only
+    assert "worker 11" not in text.splitlines()[1]  # more than TABLE_UNITS: highest and lowest only
     assert "the smallest, worker 7's" in text

@@ -95,6 +95,23 @@ def test_on_the_torch_backend_the_callback_never_imports_tensorflow():
                       "default": "GPU:0"}, r
 
 
+def test_the_callback_without_install_warns_and_fit_trains():
+    # Found by the shared-GPU benchmark's dry run: fit() raised "no pool yet" from the callback.
+    r = run("""
+        import warnings, numpy as np, keras, tf_memguard
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile("sgd", "mse")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            h = model.fit(np.ones((32, 4), "float32"), np.ones((32, 2), "float32"), epochs=2, verbose=0,
+                          callbacks=[tf_memguard.MemGuardCallback()])
+        emit(epochs=len(h.history["loss"]), said=[str(w.message) for w in seen if "tf_memguard" in str(w.message)])
+    """, env=TORCH)
+    assert r.data is not None, r
+    assert r.data["epochs"] == 2
+    assert len(r.data["said"]) == 1 and "install(max_bytes, device='GPU:0')" in r.data["said"][0], r.data
+
+
 def test_install_on_the_torch_backend_says_what_is_wrong_without_a_gpu():
     r = run("""
         import tf_memguard, torch
