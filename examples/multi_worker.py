@@ -34,16 +34,24 @@ def fix_keras_multi_worker(strategy):
     (x, y) in one call, which MWMS's reduce does not map over as MirroredStrategy's does
     ("Attempt to convert a value (PerReplica...)"), and it reduces the scalar metrics with
     axis=0 ("Invalid reduction dimension 0 for input with 0 dimensions"). This maps the
-    call over nests and drops the axis of a scalar; nothing of tf_memguard needs it."""
+    call over nests, drops the axis of a scalar and gives the model's build this worker's
+    batch; nothing of tf_memguard needs it."""
     import tensorflow as tf
     reduce = strategy.reduce
 
     def rank(value):
         return strategy.experimental_local_results(value)[0].shape.rank
 
+    def one(reduce_op, v, axis):
+        if axis is None and rank(v):
+            # The batch fit() reduces to build the model is read for its shapes only: this
+            # worker's own (an all-reduce needs the same shape on every worker, and a
+            # global batch that does not divide over them gives different ones).
+            return strategy.experimental_local_results(v)[0]
+        return reduce(reduce_op, v, axis if axis is None or rank(v) else None)
+
     def mapped(reduce_op, value, axis=None):
-        return tf.nest.map_structure(lambda v: reduce(reduce_op, v, axis if axis is None or rank(v) else None),
-                                     value)
+        return tf.nest.map_structure(lambda v: one(reduce_op, v, axis), value)
     strategy.reduce = mapped
     return strategy
 

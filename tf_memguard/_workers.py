@@ -115,9 +115,11 @@ class ClusterRecord:
         if suggestion is None or not sizes:
             return suggestion
         smallest, i = min(sizes)
-        # The global batch is split evenly over the replicas: a size that does not divide
-        # gives the workers batches of different shapes, which Keras' fit() cannot all-reduce
-        # when it builds the model (a shape mismatch in the collective, measured).
+        # A size that divides gives every replica the same share of the global batch; one
+        # that does not gives the workers batches of different shapes, which Keras 3.15's
+        # fit() cannot all-reduce when it builds the model (a shape mismatch in the
+        # collective, measured, unless the model's build is given each worker's own batch
+        # as examples/multi_worker.py does).
         replicas = self.cluster.strategy.num_replicas_in_sync
         fitting = smallest // replicas * replicas
         if fitting == suggestion.batch_size:

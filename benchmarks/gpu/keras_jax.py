@@ -149,7 +149,7 @@ def one(job, kind, batch):
         plain, guarded = [], []
         X, Y = np.concatenate([X] * 4), np.concatenate([Y] * 4)
         m.fit(X, Y, batch_size=batch, epochs=1, verbose=0)
-        for _ in range(3):  # ABAB: epochs 2-4 of each fit (the first holds the per-fit check)
+        for _ in range(int(os.environ.get("TFMG_JAX_ROUNDS", 3))):  # ABAB: epochs 2-4 of each fit (the first holds the per-fit check)
             for cbs, into in (([], plain), ([tf_memguard.MemGuardCallback(verbose=0, advice=False)], guarded)):
                 t = Times()
                 m.fit(X, Y, batch_size=batch, epochs=4, verbose=0, callbacks=cbs + [t])
@@ -162,7 +162,7 @@ def one(job, kind, batch):
 def run(job, kind, batch):
     try:
         p = subprocess.run([sys.executable, __file__, "--one", job, kind, str(batch)], capture_output=True,
-                           text=True, timeout=240)
+                           text=True, timeout=int(os.environ.get("TFMG_JAX_JOB_TIMEOUT", 240)))
     except subprocess.TimeoutExpired as e:
         r = {"job": job, "kind": kind, "batch": batch, "timed_out": True, "stderr": str(e.stderr or "")[-2000:]}
         print(json.dumps(r), flush=True)
@@ -181,6 +181,14 @@ def main():
     a = ap.parse_args()
     if a.one:
         print("RESULT " + json.dumps(one(a.one[0], a.one[1], int(a.one[2])), default=str), flush=True)
+        return
+    if os.environ.get("TFMG_JAX_JOBS"):  # a rerun of named jobs, one at a time: job:kind:batch,...
+        rerun = {"cap": CAP, "rounds": int(os.environ.get("TFMG_JAX_ROUNDS", 3)), "jobs": []}
+        for spec in os.environ["TFMG_JAX_JOBS"].split(","):
+            job, kind, batch = spec.split(":")
+            rerun["jobs"].append(run(job, kind, int(batch)))
+            with open(os.path.join(a.out, "gpu_keras_jax_rerun.json"), "w") as f:
+                json.dump(rerun, f, indent=1, default=str)
         return
     results = {"cap": CAP, "models": {}}
     path = os.path.join(a.out, "gpu_keras_jax.json")
