@@ -31,7 +31,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRY = os.environ.get("TFMG_SHARED_DRY") == "1"
-SIZE, CLASSES = 64, 4
+SIZE, CLASSES = 64, 4   # keras_torch.py's CNN
 SAMPLES = 512 if DRY else 16384
 EPOCHS = 2 if DRY else 4
 SLICE = 2 << 30          # each process's budget: 2 GiB of the card
@@ -42,22 +42,9 @@ MIB = float(1 << 20)
 # ----------------------------------------------------------------------------- child
 
 def _model():
-    import keras
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((SIZE, SIZE, 3)),
-        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(128, 3, padding="same", activation="relu"),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(CLASSES),
-    ])
-    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from keras_torch import _model as cnn   # the CNN of the Keras-on-PyTorch benchmark
+    return cnn()
 
 
 def _data():
