@@ -20,6 +20,7 @@ the result of the first step at each batch shape, of every step predicted near t
 and of each epoch's last step, so that an OOM is raised where it happened.
 """
 import itertools
+import time
 
 from tf_memguard import _xla, _xla_step
 from tf_memguard._units import format_bytes
@@ -44,6 +45,8 @@ class XlaRun:
         self.last_suggestion = None
         self.lost = False
         self.residual = 0
+        self.hook_seconds = 0.0       # time in the guard's own work around the steps (benchmarks)
+        self.hook_epochs = []         # the same, per epoch
         self._epoch = 0
         self._seen_shapes = set()
         self._snapshot = None
@@ -92,9 +95,13 @@ class XlaRun:
             data = next(iterator)  # StopIteration goes to fit(), as from Keras' own function
             compiled = None
             try:
+                t = time.perf_counter()
                 compiled, peak = run.before_step(model, state, data)
+                t1 = time.perf_counter()
                 logs, new_state = current(state, itertools.chain([data], iterator))
+                t2 = time.perf_counter()
                 run.after_step(logs, new_state, compiled, peak)
+                run.hook_seconds += (t1 - t) + (time.perf_counter() - t2)
             except BaseException as e:
                 run.restore(model, state)  # fit() emptied the variables; put the state back
                 if _xla.is_oom(e):
@@ -257,6 +264,11 @@ class XlaRun:
     # -- epochs ----------------------------------------------------------------------------
 
     def epoch_begin(self, epoch):
+        t = time.perf_counter()
+        self._epoch_begin(epoch)
+        self.hook_seconds += time.perf_counter() - t
+
+    def _epoch_begin(self, epoch):
         self._epoch = epoch
         self._stats_peak = self._peak_now()
         self._device_start = {d: self._peak_now(d) for d in self.devices}
@@ -270,6 +282,14 @@ class XlaRun:
         self.steps.append((global_step, peak, 0, self._epoch, size))  # live: read at the epoch's end only
 
     def epoch_end(self, epoch, model):
+        t = time.perf_counter()
+        try:
+            return self._epoch_end(epoch, model)
+        finally:
+            self.hook_seconds += time.perf_counter() - t
+            self.hook_epochs.append(self.hook_seconds - sum(self.hook_epochs))
+
+    def _epoch_end(self, epoch, model):
         """The epoch's peak: XLA's peak where it rose during the epoch (exact), else the
         largest compiled step's prediction; and where measured, the residual."""
         predicted = max(list(self.step_peaks.values()) if self.step_peaks else [0])

@@ -146,7 +146,7 @@ def one(job, kind, batch):
             def on_epoch_end(self, epoch, logs=None):
                 float(logs["loss"])
                 self.t.append(time.perf_counter() - self.t0)
-        plain, guarded = [], []
+        plain, guarded, hooks = [], [], []
         X, Y = np.concatenate([X] * 4), np.concatenate([Y] * 4)
         m.fit(X, Y, batch_size=batch, epochs=1, verbose=0)
         for _ in range(int(os.environ.get("TFMG_JAX_ROUNDS", 3))):  # ABAB: epochs 2-4 of each fit (the first holds the per-fit check)
@@ -154,7 +154,13 @@ def one(job, kind, batch):
                 t = Times()
                 m.fit(X, Y, batch_size=batch, epochs=4, verbose=0, callbacks=cbs + [t])
                 into.extend(t.t[1:])
-        out.update(plain_s=plain, guarded_s=guarded,
+                if cbs:  # the guard's own time per epoch (its first epoch holds its compile)
+                    hooks.extend(cbs[0]._xla.hook_epochs[1:])
+        t0 = time.perf_counter()
+        for _ in range(100):
+            jax.devices()[0].memory_stats()
+        out.update(plain_s=plain, guarded_s=guarded, guard_seconds_per_epoch=hooks,
+                   memory_stats_seconds=(time.perf_counter() - t0) / 100,
                    ratio=statistics.median(guarded) / statistics.median(plain))
     return out
 
