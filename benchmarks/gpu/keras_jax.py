@@ -41,35 +41,14 @@ SAMPLES = {"cnn": 4096, "transformer": 2048} if "TFMG_JAX_SAMPLES" not in os.env
 
 
 def model_and_data(kind):
+    """probe_jax.py's models and data (the same as measured there), seeded."""
     import keras
-    import numpy as np
-    from keras import layers
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import probe_jax
     keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(0)
-    n = SAMPLES[kind]
-    if kind == "cnn":
-        inp = keras.Input((64, 64, 3))
-        x = inp
-        for f in (32, 64, 128):
-            x = layers.Conv2D(f, 3, padding="same", activation="relu")(x)
-            x = layers.BatchNormalization()(x)
-            x = layers.MaxPooling2D()(x)
-        x = layers.GlobalAveragePooling2D()(x)
-        X = rng.random((n, 64, 64, 3), dtype=np.float32)
-    else:
-        inp = keras.Input((128,), dtype="int32")
-        x = layers.Embedding(8000, 256)(inp)
-        for _ in range(4):
-            h = layers.MultiHeadAttention(4, 64)(x, x)
-            x = layers.LayerNormalization()(x + h)
-            h = layers.Dense(1024, activation="relu")(x)
-            x = layers.LayerNormalization()(x + layers.Dense(256)(h))
-        x = layers.GlobalAveragePooling1D()(x)
-        X = rng.integers(0, 8000, (n, 128)).astype("int32")
-    out = layers.Dense(10)(x)
-    m = keras.Model(inp, out)
-    m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return m, X, rng.integers(0, 10, (n,)).astype("int32")
+    m, shape = probe_jax.keras_model(kind)
+    X, Y = probe_jax.data(kind, shape, SAMPLES[kind])
+    return m, X, Y
 
 
 def keras_callback():
