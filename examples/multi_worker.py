@@ -82,7 +82,12 @@ def worker(args):
                             callbacks=[callback])
         print(f"history {json.dumps({k: [float(v) for v in vs] for k, vs in history.history.items()})}")
     except (tf.errors.ResourceExhaustedError, tf_memguard.BudgetExceededError) as e:
-        print(f"{type(e).__name__} at {time.time():.2f}: " + " ".join(getattr(e, "__notes__", [])), flush=True)
+        at, notes = time.time(), getattr(e, "__notes__", [])
+        print(f"{type(e).__name__} at {at:.2f}: " + " ".join(notes), flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"worker-{args.task}-error.json"), "w") as f:
+                json.dump({"error": type(e).__name__, "at": at, "notes": notes}, f)
         status = 3
         if args.linger:  # a process that goes on with other work after the error
             time.sleep(args.linger)

@@ -90,9 +90,13 @@ class FailureHandling:
         else:  # Python < 3.11
             error._message = f"{error.message}\n\n{note}"
 
-    def _explain_told(self, error):
-        """True, with the note, when `error` is another worker's failure told to this one."""
+    def _explain_told(self, error, refused_here=False, oom=False):
+        """True, with the note, when `error` is another worker's failure told to this one
+        (in its message, or, when this worker refused nothing, in the cluster's store)."""
         other = _workers.told(error)
+        if other is None and self._cluster is not None and not refused_here and (
+                oom or "ollective" in str(error)):  # not a Ctrl-C: that must not wait
+            other = self._cluster.cluster.told_elsewhere()
         if other is None:
             return False
         self._end_abruptly()
@@ -103,7 +107,8 @@ class FailureHandling:
         return True
 
     def _explain_oom(self, error):
-        if self._explain_told(error):  # another worker ran out; this one's collectives were aborted
+        refusal_now = self._pool.stats()["num_refusals"] > self._start["num_refusals"]
+        if self._explain_told(error, refused_here=refusal_now, oom=True):  # another worker ran out first
             return
         if self._sampler:
             self._sampler.failed_step()

@@ -42,7 +42,8 @@ def wrap(model, callback):
                 cb._explain_oom(e)
             raise
         except BaseException as e:
-            if cb._explain_told(e):  # another worker's failure, arriving as another error
+            if cb._explain_told(e, refused_here=cb._pool.stats()["num_refusals"] > refusals):
+                # another worker's failure, arriving as another error
                 raise
             cb._end_abruptly()
             message = cb._constant_refused(e, refusals)

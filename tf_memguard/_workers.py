@@ -17,6 +17,13 @@ _TOLD = re.compile(r"aborted by: (?:Collective ops is aborted by: )*(tf_memguard
                    re.S)
 
 
+TOLD_KEY = "tf_memguard/out_of_memory"
+# How long a worker whose step failed without a refusal of its own waits for another's
+# message: the failed worker writes it right after its refusal, before its process does
+# anything else (measured: within 0.1 s), so this only bounds the wait when none comes.
+TOLD_WAIT_S = 10.0
+
+
 class Cluster:
     """This worker's place in a multi-worker strategy's cluster."""
 
@@ -52,14 +59,32 @@ class Cluster:
         return [by_task.get(i) for i in range(len(self.tasks))]
 
     def tell_others(self, message):
-        """Ends the other workers' collectives with `message` (a RESOURCE_EXHAUSTED error)."""
+        """Ends the other workers' collectives with `message` (a RESOURCE_EXHAUSTED error).
+
+        The message also goes into the coordination service's key-value store first: the
+        failed step's own collectives abort the others' with TensorFlow's bare error, which
+        can reach them before the report does (seen in CI), and they read it there."""
         from tensorflow.python.eager import context
         from tensorflow.python.framework import errors
+        try:
+            context.context().set_config_key_value(TOLD_KEY, message)
+        except Exception:  # noqa: BLE001 - the report below still ends the others
+            pass
         try:
             context.context().report_error_to_cluster(errors.RESOURCE_EXHAUSTED, message)
         except Exception:  # noqa: BLE001 - no coordination service: the others see the socket close
             return False
         return True
+
+    def told_elsewhere(self, timeout_s=TOLD_WAIT_S):
+        """Another worker's message from the key-value store (see tell_others), waiting up
+        to `timeout_s` for it to be written, or None."""
+        from tensorflow.python.eager import context
+        try:
+            value = context.context().get_config_key_value(TOLD_KEY, timeout_in_ms=int(1000 * timeout_s))
+        except Exception:  # noqa: BLE001 - none was written in time, or no service
+            return None
+        return value or None
 
 
 def cluster_of(model):

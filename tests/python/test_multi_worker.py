@@ -48,10 +48,13 @@ def test_two_workers_merged_report(tmp_path):
     # Every worker holds the same merged record.
     assert r0["cluster"]["epochs"] == [dict(e, gather_seconds=e2["gather_seconds"])
                                        for e, e2 in zip(r1["cluster"]["epochs"], r0["cluster"]["epochs"])]
-    # Worker 1 keeps 48 MiB more alive: at each epoch's end it holds that much more, and it is
-    # the highest (the step's own peak differs between the workers by up to 22 MiB, seen).
+    # Worker 1 keeps 48 MiB more alive: at each epoch's end it holds that much more, give or
+    # take Keras' copy of the data (12 MiB for 1,024 samples), which comes and goes on either
+    # worker; and it is the highest (the step's own peak differs between the workers by up to
+    # 22 MiB, seen).
+    copy = 1024 * 32 * 32 * 3 * 4
     for e in r0["cluster"]["epochs"]:
-        assert abs(e["live_bytes"][1] - e["live_bytes"][0] - 48 * MIB) < MIB
+        assert abs(e["live_bytes"][1] - e["live_bytes"][0] - 48 * MIB) <= copy + MIB, e
         assert e["peak_bytes"][1] > e["peak_bytes"][0]
     # The report names the highest worker; the logs carry the cluster's highest peak.
     assert re.search(r"\n\s+1\s+\S+ MiB \(\d+%\) worker 1 ", proc.stdout), proc.stdout[-3000:]
@@ -73,18 +76,15 @@ def test_oom_on_one_worker_ends_the_other_at_once(tmp_path):
     # for as long (benchmarks/NOTES.md, "Multi-worker runs").
     proc, workers, reports = launch(tmp_path, "--budgets", "256MiB,40MiB", "--epochs", "1", "--linger", "30")
     assert [w["exit"] for w in workers] == [3, 3], proc.stdout[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("ResourceExhaustedError at ")]
-    assert len(lines) == 2, proc.stdout[-4000:]
-    told = [line for line in lines if "worker 0 stopped because another worker ran out of memory: worker 1 ran out" in line]
-    own = [line for line in lines if "cannot allocate" in line and "stopped because" not in line]
-    assert len(told) == 1 and len(own) == 1, lines
-    assert "cannot allocate" in told[0] and "of the 40.0 MiB budget in use" in told[0]
-    assert "The other workers were told and stopped" in own[0]
-
-    def at(line):
-        return float(line.split()[2].rstrip(":"))
+    errors = [json.loads((tmp_path / "out" / f"worker-{i}-error.json").read_text()) for i in (0, 1)]
+    told, own = (" ".join(e["notes"]) for e in errors)
+    assert errors[0]["error"] == errors[1]["error"] == "ResourceExhaustedError", errors
+    assert "worker 0 stopped because another worker ran out of memory: worker 1 ran out" in told, errors
+    assert "cannot allocate" in told and "of the 40.0 MiB budget in use" in told
+    assert "cannot allocate" in own and "stopped because" not in own
+    assert "The other workers were told and stopped" in own
     # fit() raised on worker 0 within seconds of worker 1's error, not after its 30 s.
-    assert abs(at(told[0]) - at(own[0])) < 10, lines
+    assert abs(errors[0]["at"] - errors[1]["at"]) < 10, errors
     assert reports[0]["oom"].startswith("worker 0 stopped because another worker ran out of memory")
     assert reports[1]["oom"].startswith("CPU:0: cannot allocate")
 
