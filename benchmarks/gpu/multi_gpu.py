@@ -124,17 +124,9 @@ def start(job):
 
 
 def collect(proc, timeout=500):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    r = json.loads(lines[-1]) if lines else {}
-    r["returncode"] = proc.returncode
-    if proc.returncode != 0 or not lines:
-        r["stderr_tail"] = err[-3000:]
-    return r
+    sys.path.insert(0, HERE)
+    from shared_gpu import collect as collect_child   # the same JSON-last-line protocol
+    return collect_child(proc, timeout)
 
 
 def main():
