@@ -506,18 +506,47 @@ void pool::rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size) {
       b->addr = addr;  // lists are not ordered by address
       return;
     }
-  } else if (!exact(b->size) && !exact(size) && bin_of(size) == b->bin) {
-    const free_key key{size, addr, b};
+  } else if (!exact(b->size) && !exact(size)) {
+    const unsigned bin = bin_of(size);
     free_set& set = bins_[b->bin];
-    const bool after_prev = b->where == set.begin() || *std::prev(b->where) < key;
-    const bool before_next = std::next(b->where) == set.end() || key < *std::next(b->where);
-    if (after_prev && before_next) {
+    if (bin == b->bin) {
+      const free_key key{size, addr, b};
+      const bool after_prev = b->where == set.begin() || *std::prev(b->where) < key;
+      const bool before_next = std::next(b->where) == set.end() || key < *std::next(b->where);
+      if (after_prev && before_next) {
+        b->where->size = size;
+        b->where->addr = addr;
+        b->addr = addr;
+        b->size = size;
+        return;
+      }
+    }
+    if (bin != b->bin && set.size() == 1 && bins_[bin].empty()) {
+      // The lone block of its bin moving to an empty bin (a region's remainder crossing
+      // a size-class boundary at every carve and free: a budget of exactly a class's
+      // bound): the two trees swap, O(1), and the node keeps its place and iterator.
+      set.swap(bins_[bin]);
+      bin_bits_[b->bin / 64] &= ~(std::uint64_t{1} << (b->bin % 64));
+      bin_bits_[bin / 64] |= std::uint64_t{1} << (bin % 64);
       b->where->size = size;
       b->where->addr = addr;
       b->addr = addr;
       b->size = size;
+      b->bin = bin;
       return;
     }
+    // To another place or bin: the tree node moves, re-keyed (no node freed and made
+    // again).
+    auto node = set.extract(b->where);
+    if (set.empty()) bin_bits_[b->bin / 64] &= ~(std::uint64_t{1} << (b->bin % 64));
+    node.value().size = size;
+    node.value().addr = addr;
+    b->addr = addr;
+    b->size = size;
+    b->bin = bin;
+    b->where = bins_[bin].insert(std::move(node)).position;
+    bin_bits_[bin / 64] |= std::uint64_t{1} << (bin % 64);
+    return;
   }
   erase_free_locked(b);
   b->addr = addr;

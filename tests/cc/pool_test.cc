@@ -943,6 +943,39 @@ void test_threads_read_allocate_and_change_the_budget_of_a_pool_backed_on_demand
   CHECK_OK(tfmg_pool_destroy(p, 0));
 }
 
+// A region of exactly a size-class bound (160 MiB: eight classes per power of two), 4 MiB
+// carved and freed: the remainder crosses into the class below and back at every call.
+// Alone in its class it moves by swapping the two classes' trees; with another free
+// block in either class, by moving its tree node. Best fit and every invariant hold.
+void test_a_free_block_crossing_a_size_class_keeps_the_index_valid() {
+  tfmg_pool* p = make_pool(160 * MiB);
+  void* hold = alloc(p, 4 * MiB);  // the region is made; the remainder is 156 MiB
+  CHECK_OK(tfmg_pool_deallocate(p, hold, nullptr));
+  for (int i = 0; i < 100; ++i) {  // the lone-block path
+    void* x = alloc(p, 4 * MiB);
+    CHECK(x != nullptr && valid(p));
+    CHECK_OK(tfmg_pool_deallocate(p, x, nullptr));
+    CHECK(valid(p));
+  }
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+  // Two free blocks in the class of 144-160 MiB (a hole of 150 MiB kept open by a block
+  // above it, and the remainder, 155 MiB): 8 MiB from the hole moves it to the class below
+  // while its own class keeps the other, and back at the free.
+  p = make_pool(306 * MiB);
+  void* low = alloc(p, 150 * MiB);
+  void* wall = alloc(p, 1 * MiB);
+  CHECK_OK(tfmg_pool_deallocate(p, low, nullptr));
+  for (int i = 0; i < 100; ++i) {  // the node-moving path
+    void* x = alloc(p, 8 * MiB);
+    CHECK(x == low && valid(p));  // best fit: the hole, carved from its low end
+    CHECK_OK(tfmg_pool_deallocate(p, x, nullptr));
+    CHECK(valid(p));
+  }
+  CHECK_OK(tfmg_pool_deallocate(p, wall, nullptr));
+  CHECK(stats(p).bytes_in_use == 0 && valid(p));
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
 int main() {
   struct test {
     const char* name;
@@ -963,6 +996,8 @@ int main() {
       {"passthrough_blocks_survive_setting_a_budget", test_passthrough_blocks_survive_setting_a_budget},
       {"trace_records_events_in_order_and_is_bounded", test_trace_records_events_in_order_and_is_bounded},
       {"random_operations_keep_every_invariant", test_random_operations_keep_every_invariant},
+      {"a_free_block_crossing_a_size_class_keeps_the_index_valid",
+       test_a_free_block_crossing_a_size_class_keeps_the_index_valid},
       {"many_threads_keep_the_pool_valid", test_many_threads_keep_the_pool_valid},
       {"window_peak_remembers_its_batch_split", test_window_peak_remembers_its_batch_split},
       {"lowering_the_budget_drains_regions_that_hold_blocks",
