@@ -511,8 +511,11 @@ void pool::rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size) {
     free_set& set = bins_[b->bin];
     if (bin == b->bin) {
       const free_key key{size, addr, b};
-      const bool after_prev = b->where == set.begin() || *std::prev(b->where) < key;
-      const bool before_next = std::next(b->where) == set.end() || key < *std::next(b->where);
+      // A bin's lone block (a region's remainder, most often) keeps its place whatever its
+      // key: no neighbours to compare with.
+      const bool alone = set.size() == 1;
+      const bool after_prev = alone || b->where == set.begin() || *std::prev(b->where) < key;
+      const bool before_next = alone || std::next(b->where) == set.end() || key < *std::next(b->where);
       if (after_prev && before_next) {
         b->where->size = size;
         b->where->addr = addr;
