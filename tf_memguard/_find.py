@@ -2,7 +2,8 @@
 recorded steps of fit(), without a full run."""
 from tf_memguard import _backend, _core, _install
 from tf_memguard._memory_model import StepModel
-from tf_memguard._recording import Snapshot, StepRecorder, abort_all, fit_steps, without_blocks
+from tf_memguard._recording import (Snapshot, StepRecorder, abort_all, fit_steps, prepared_bytes, unmet_prepared,
+                                    without_blocks)
 from tf_memguard._units import format_bytes, parse_bytes
 
 
@@ -106,7 +107,16 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         # Each next size is where the model of the steps that completed says the limit is;
         # after a refusal there (the model wrong near it), halfway to it, and the answer is
         # then the largest size that completed.
-        good, current = first, StepModel.build(first, None)
+        # What tf.data had prepared ahead, per sample, the most any complete step met:
+        # each short run's second step can begin with all, some or none of the batches
+        # prepared (tf.data's autotuned buffers fill as the machine lets them), and a line
+        # through a step with them and one without leaves them out of larger sizes.
+        per_sample = [prepared_bytes(first) / b1]
+
+        def build(template, other=None):
+            extra = unmet_prepared(template, max(per_sample) * template.batch_size)
+            return StepModel.build(template, other, extra_start=extra)
+        good, current = first, build(first)
         too_large, refused, used = n + 1, False, 2
         last_steps.clear()
         last_steps.append(first)
@@ -123,7 +133,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
             last_steps.append(trace)
             if trace is not None and trace.complete:
                 lower, good = good, trace
-                current = StepModel.build(good, lower)
+                per_sample.append(prepared_bytes(good) / good.batch_size)
+                current = build(good, lower)
             else:
                 too_large, refused = size, True
         if refused:

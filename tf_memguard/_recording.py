@@ -213,3 +213,35 @@ def without_blocks(trace, sizes, kind=None, tagged=None):
     keep = ~drop
     return dataclasses.replace(trace, start_size=trace.start_size[keep], start_flags=trace.start_flags[keep],
                                start_address=trace.start_address[keep])
+
+
+def prepared_bytes(trace):
+    """Bytes of what tf.data had prepared ahead for `trace`'s step: the batch-tagged blocks
+    live at its start, and those the step made that were live at its end (batches the
+    pipeline prepared during the step itself, which a step that began with none can have
+    met at its peak). Of a step refused partway, the blocks at its start only (what it made
+    before the refusal is its own activations)."""
+    tagged = (trace.start_flags & _core.ALLOC_BATCH) != 0
+    if not trace.complete:
+        return int(trace.start_size[tagged].sum())
+    live = {}
+    for op, addr, size, flags in zip(trace.op.tolist(), trace.address.tolist(), trace.size.tolist(),
+                                     trace.flags.tolist()):
+        if op == 1:  # TFMG_TRACE_FREE
+            live.pop(addr, None)
+        elif op in (0, 3) and flags & _core.ALLOC_BATCH:  # an allocation, overshoot included
+            live[addr] = size
+    return int(trace.start_size[tagged].sum()) + int(sum(live.values()))
+
+
+def unmet_prepared(trace, most):
+    """What tf.data had prepared for other steps (`most` bytes at `trace`'s batch size)
+    beyond what `trace`'s step met, as one more batch-tagged block live at its start
+    ((sizes, flags) for StepModel.build's extra_start), or None. tf.data's autotuned
+    buffers fill as the machine lets them: a step can begin with none of the batches
+    (three, on the models measured) that the steps around it began with, and a model of it
+    alone would leave them out at every batch size."""
+    unmet = int(most) - prepared_bytes(trace)
+    if unmet < int(trace.layout.get("alignment", 64) or 64):
+        return None
+    return [unmet], [_core.ALLOC_BATCH | (_core.KINDS.index("data") << _core.ALLOC_KIND_SHIFT)]

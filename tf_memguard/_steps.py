@@ -86,6 +86,7 @@ class StepSampler:
         self.too_large = 1 << 62  # the smallest batch size known not to fit
         self.cap = 1 << 62        # the largest the advice may name (model_after_oom)
         self.after_oom = []       # the sizes of the short fit() runs after an OOM that completed
+        self.prepared = 0         # the most batch-tagged bytes live at a step's start at b0
 
     # -- fit()'s hooks -----------------------------------------------------------------
 
@@ -109,6 +110,11 @@ class StepSampler:
             which = "template"
         if which is None:
             return
+        if which != "other":
+            # What tf.data has prepared ahead (batch-tagged bytes live as a step begins at
+            # b0): its autotuned buffers fill as they can, so the template may have met
+            # fewer prepared batches than the pipeline holds at other steps.
+            self.prepared = max(self.prepared, int(self.pool.stats()["batch_bytes_in_use"]))
         size = self.partial if which == "other" else self.b0
         self._profile(size)
         self._recording = which
@@ -202,8 +208,10 @@ class StepSampler:
         """The StepModel from the steps recorded (None before a complete step), with the
         spread from `observed_peak` (the highest step peak fit() showed at b0)."""
         if self._model is None and (self.template is not None or self.first is not None):
-            steady = StepModel.build(self.template, self.other, observed_peak=observed_peak or None) \
+            steady = StepModel.build(self.template, self.other, observed_peak=observed_peak or None,
+                                     extra_start=self._unmet_prepared(self.template)) \
                 if self.template is not None else None
+            # (Not the first step's: a run's first step meets the pipeline as it starts.)
             first = StepModel.build(self.first, self.other, first=True) if self.first is not None else None
             domain = "static" if self.static else "all"
             models, domains = [steady, first], [domain, domain]
@@ -215,6 +223,16 @@ class StepSampler:
                 domains.append("dynamic")
             self._model = StepModels(models, domains, samples=self.n if self.tf else None)
         return self._model
+
+    def _unmet_prepared(self, trace):
+        """The batches prepared ahead that other steps at b0 met and `trace` did not (see
+        _recording.unmet_prepared), or None. On the zoo's wide MLP the step that peaked
+        highest once began with none of the three prepared batches (2 MiB at 340) other
+        steps began with, and its model named 369 where 350 ran out; the same run's steps
+        with them named 336."""
+        if trace is None or trace.batch_size != self.b0:
+            return None
+        return _recording.unmet_prepared(trace, self.prepared)
 
     def _copy_sizes(self):
         """The blocks of Keras' copy of the arrays, on TensorFlow (one per array)."""
@@ -284,18 +302,32 @@ class StepSampler:
         def limit():
             return room if without[0] else budget
 
+        # What tf.data had prepared ahead, per sample: the most the failed fit()'s steps
+        # and the short runs' steps met (a short run's second step can begin with none of
+        # the batches a long run's steps begin with).
+        per_sample = [self.prepared / self.b0, _recording.prepared_bytes(self.prefix) / self.b0]
+
+        def unmet(trace):
+            return _recording.unmet_prepared(trace, max(per_sample) * trace.batch_size)
+
+        def build(template, other=None):
+            return StepModel.build(plain(template), plain(other) if other is not None else None,
+                                   extra_start=unmet(template))
+
         def ran(trace):
             # A short run that completed proves its size for a retry that copies the
             # arrays only if it had the copy, or if its step fits with room for it (under
             # 24 MiB, the README's CNN completed a batch of 1 without its 12 MiB copy,
-            # where with it nothing fits).
+            # where with it nothing fits); and for a retry whose steps meet tf.data's
+            # prepared batches only if it met them too, or fits with them.
             if trace is None or not trace.complete:
                 return False
-            if not copies or has_copy(trace):
+            per_sample.append(_recording.prepared_bytes(trace) / trace.batch_size)
+            if copies and not has_copy(trace):
+                without[0] = True
+            elif unmet(trace) is None:
                 return True
-            without[0] = True
-            bare = _recording.without_blocks(trace, copies, kind="input")
-            return StepModel.build(bare, None).fits(trace.batch_size, room)
+            return build(trace).fits(trace.batch_size, limit())
 
         good = None
         sizes, size = [], self.b0 // 2
@@ -324,7 +356,7 @@ class StepSampler:
             return StepModel.build(plain(self.prefix), plain(good), first=True)
         # One size only: every block that is not batch-shaped is taken as proportional above
         # it, which can only overstate the need; the next size corrects it.
-        current = StepModels([StepModel.build(plain(good), None), failed()])
+        current = StepModels([build(good), failed()])
         refused = False
         for _ in range(ASCENT_RUNS):
             if refused:
@@ -336,7 +368,7 @@ class StepSampler:
             trace = self._nested(model, size, all_samples=True)
             if ran(trace):
                 lower, good = good, trace
-                current = StepModels([StepModel.build(plain(good), plain(lower)), failed()])
+                current = StepModels([build(good, lower), failed()])
                 self.after_oom.append(size)
             else:
                 self.too_large = min(self.too_large, size)
@@ -357,3 +389,4 @@ class StepSampler:
         """The largest batch size the advice may name: below the smallest known not to fit,
         and after an OOM whose model was shown wrong, the largest whose step completed."""
         return min(self.too_large - 1, self.cap)
+
