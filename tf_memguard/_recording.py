@@ -145,11 +145,17 @@ def _record_second_step(recorder, batch_size):
 
         def on_train_batch_begin(self, batch, logs=None):
             if batch == 1:
+                recorder.pool.reset_peak()
                 recorder.begin(batch_size)
 
         def on_train_batch_end(self, batch, logs=None):
             if batch == 1:
                 self.trace = recorder.end(True)
+                if self.trace is not None:
+                    # The step's own peak as it ran (its threads' order, the pool's layout):
+                    # what the model's replay of it falls short of is kept free (the spread).
+                    s = recorder.pool.stats()
+                    self.trace.observed_peak = max(0, s["window_peak_bytes_in_use"] - s["passthrough_bytes_in_use"])
 
         def failed(self):
             if recorder.active:
@@ -211,8 +217,12 @@ def without_blocks(trace, sizes, kind=None, tagged=None):
     if tagged is not None:
         drop &= ((trace.start_flags & _core.ALLOC_BATCH) != 0) == tagged
     keep = ~drop
+    # The step's own peak as it ran held the blocks left out (Keras' copy of the arrays
+    # lives through every step): without them, so that the spread (what the replay falls
+    # short of it) does not count them again.
+    peak = max(0, int(trace.observed_peak) - int(trace.start_size[drop].sum())) if trace.observed_peak else 0
     return dataclasses.replace(trace, start_size=trace.start_size[keep], start_flags=trace.start_flags[keep],
-                               start_address=trace.start_address[keep])
+                               start_address=trace.start_address[keep], observed_peak=peak)
 
 
 def prepared_bytes(trace):
