@@ -15,7 +15,7 @@ import gc
 import traceback
 
 from tf_memguard import _backend, _core
-from tf_memguard._memory_model import StepTrace
+from tf_memguard._memory_model import _ALLOC, _FREE, _OVERSHOOT, StepTrace
 
 # Events one step may leave in the trace: a training step of the models seen makes
 # 100-5,000 allocations and as many frees (an LSTM over 64 time steps: about 4,500 of
@@ -237,9 +237,9 @@ def prepared_bytes(trace):
     live = {}
     for op, addr, size, flags in zip(trace.op.tolist(), trace.address.tolist(), trace.size.tolist(),
                                      trace.flags.tolist()):
-        if op == 1:  # TFMG_TRACE_FREE
+        if op == _FREE:
             live.pop(addr, None)
-        elif op in (0, 3) and flags & _core.ALLOC_BATCH:  # an allocation, overshoot included
+        elif op in (_ALLOC, _OVERSHOOT) and flags & _core.ALLOC_BATCH:
             live[addr] = size
     return int(trace.start_size[tagged].sum()) + int(sum(live.values()))
 

@@ -389,4 +389,3 @@ class StepSampler:
         """The largest batch size the advice may name: below the smallest known not to fit,
         and after an OOM whose model was shown wrong, the largest whose step completed."""
         return min(self.too_large - 1, self.cap)
-
