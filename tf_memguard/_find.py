@@ -6,6 +6,10 @@ from tf_memguard._recording import (Snapshot, StepRecorder, abort_all, fit_steps
                                     without_blocks)
 from tf_memguard._units import format_bytes, parse_bytes
 
+# The flags of a block of batch-shaped data live at a step's start (what the model keeps
+# for prepared batches, and for what it was shown to fall short of).
+_BATCH_DATA = _core.ALLOC_BATCH | (_core.KINDS.index("data") << _core.ALLOC_KIND_SHIFT)
+
 
 # The steps the last call recorded (StepTraces, None for a step refused in its first),
 # for diagnosis (benchmarks/gpu/keras_torch.py keeps them).
@@ -15,17 +19,18 @@ last_steps = []
 def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, start=None):
     """The largest batch size whose training step fits the budget, by the memory model.
 
-    Short runs of fit() (two steps each: the first traces the step for its batch size,
-    the second is recorded as the pool sees it, with fit()'s own pipeline; on TensorFlow
-    without Keras' copy of the arrays, which is in the pool in some runs and not in others,
-    and for which the budget is asked with room): at a small size (`start`, default 32 or fewer samples), then where the model
-    of the steps that completed says the limit is, as `steps` allow. A size that is
-    refused shows the model wrong near it: the next run is halfway to it, and the answer
-    the largest size that completed. Every block of the step becomes a line in the batch
-    size, and the step scaled to a candidate size is replayed through the pool's own code
-    (benchmarks/NOTES.md, "How the advice works"); the answer is the largest size whose
-    replay fits. The model's weights and optimizer state are restored exactly afterwards;
-    its metrics are reset.
+    Short runs of fit(), each step recorded as the pool sees it, with fit()'s own pipeline
+    (on TensorFlow without Keras' copy of the arrays, which is in the pool in some runs and
+    not in others, and for which the budget is asked with room): two steps at a small size
+    (`start`, default 32 or fewer samples; the first traces the step and builds the
+    optimizer's slots, the second is recorded), then one step at each next size, where the
+    model of the two largest steps that completed says the limit is, as `steps` allow. A
+    size that is refused shows the model short near it: the next size is where the model,
+    with that shortfall per sample added, says the limit is. Every block of the step becomes
+    a line in the batch size, and the step scaled to a candidate size is replayed through
+    the pool's own code (benchmarks/NOTES.md, "How the advice works"); the answer is the
+    largest size whose replay fits, below every size refused. The model's weights and
+    optimizer state are restored exactly afterwards; its metrics are reset.
 
     Args:
         model: a compiled Keras model.
@@ -34,8 +39,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         max_bytes: the budget to fit, as for install(). Defaults to the installed one.
         device: Defaults to the device install() was called for (else "CPU:0" on
             TensorFlow, "GPU:0" on Keras' torch backend).
-        steps: the most training steps to run (2 per batch size tried, at least 2).
-            Defaults to 4.
+        steps: the most training steps to run (2 at the first batch size tried, 1 at each
+            next; at least 2). Defaults to 4: three sizes.
         start: the first batch size tried. Defaults to 32 (or fewer samples).
 
     On Keras' JAX backend no step is run: the train step XLA compiles at a batch size
@@ -91,56 +96,75 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     copies = [-(-int(a.nbytes) // align) * align for a in _arrays((x, y))] \
         if _backend.framework() == "tensorflow" else []
 
-    def steps_at(size):
-        trace = fit_steps(model, x, y, size, recorder)
+    def steps_at(size, steps):
+        trace = fit_steps(model, x, y, size, recorder, steps=steps)
         return without_blocks(trace, copies, kind="input") if trace is not None else None
     room = budget - sum(copies)
     try:
         b1 = min(int(start) if start else 32, n)
-        first = steps_at(b1)
+        first = steps_at(b1, 2)
         snapshot.restore()
         if first is None or not first.complete:
             m = StepModel.build(first, None) if first is not None else None
             need = f"; it needs more than {format_bytes(m.need(b1)['peak_account'] + sum(copies))}" if m else ""
             raise _core.OutOfBudgetError(f"find_batch_size: not even a batch of {b1} fits the {format_bytes(budget)} "
                                          f"budget with this data{need}; pass a larger max_bytes or a smaller start")
-        # Each next size is where the model of the steps that completed says the limit is;
-        # after a refusal there (the model wrong near it), halfway to it, and the answer is
-        # then the largest size that completed.
         # What tf.data had prepared ahead, per sample, the most any complete step met:
-        # each short run's second step can begin with all, some or none of the batches
-        # prepared (tf.data's autotuned buffers fill as the machine lets them), and a line
-        # through a step with them and one without leaves them out of larger sizes.
+        # each short run's recorded step can begin with all, some or none of the batches
+        # prepared (tf.data's autotuned buffers fill as the machine lets them; a run of one
+        # step begins as its pipeline starts), and a line through a step with them and one
+        # without leaves them out of larger sizes.
         per_sample = [prepared_bytes(first) / b1]
+        # What the model was shown to fall short of, per sample: a step refused at a size
+        # the model said fits needed more than the room, by at least what the model's
+        # replay there leaves of it. Kept as one more batch-tagged block at the start.
+        short = [0.0]
 
         def build(template, other=None):
             extra = unmet_prepared(template, max(per_sample) * template.batch_size)
-            return StepModel.build(template, other, extra_start=extra)
+            sizes, flags = extra if extra is not None else ([], [])
+            if short[0] * template.batch_size >= align:
+                sizes, flags = sizes + [int(short[0] * template.batch_size)], flags + [_BATCH_DATA]
+            return StepModel.build(template, other, extra_start=(sizes, flags) if sizes else None)
+        # The first size runs two steps (the first traces the step and builds the
+        # optimizer's slots); every next size one, recorded as it traces or not: three
+        # sizes within four steps, the last one near the limit, so that the answer needs
+        # little extrapolation (from steps at 32 and 185, a line named 456 for the zoo's
+        # two-input model, where 432 was the most that trained). Each next size is where
+        # the model of the two largest steps that completed says the limit is; after a
+        # refusal, where that model says it is with what it was shown to fall short of
+        # (else halfway to the refused size).
         good, current = first, build(first)
-        too_large, refused, used = n + 1, False, 2
+        lower, too_large, used = None, n + 1, 2
         last_steps.clear()
         last_steps.append(first)
-        while used + 2 <= steps:
-            if refused:
+        while used + 1 <= steps:
+            size = min(current.largest_fitting(room, at_most=n), too_large - 1)
+            if size <= good.batch_size and too_large <= n:
                 size = (good.batch_size + too_large) // 2
-            else:
-                size = min(current.largest_fitting(room, at_most=n), too_large - 1)
             if size <= good.batch_size:
                 break
-            trace = steps_at(size)
+            trace = steps_at(size, 1)
             snapshot.restore()
-            used += 2
+            used += 1
             last_steps.append(trace)
             if trace is not None and trace.complete:
                 lower, good = good, trace
                 per_sample.append(prepared_bytes(good) / good.batch_size)
-                current = build(good, lower)
             else:
-                too_large, refused = size, True
-        if refused:
-            size = good.batch_size
-        else:
-            size = max(good.batch_size, min(current.largest_fitting(room, at_most=n), too_large - 1))
+                too_large = size
+                fell_short = room - current.need(size)["peak_account"]
+                short[0] = max(short[0], fell_short / size)
+            current = build(good, lower)
+        # The answer is the model's, below every size refused: near the last size run, so
+        # little extrapolated; it may be below the last size that completed (a step that
+        # ran without Keras' copy of the arrays, for which the room is kept).
+        size = min(current.largest_fitting(room, at_most=n), too_large - 1)
+        if size < 1:
+            raise _core.OutOfBudgetError(
+                f"find_batch_size: a batch of {good.batch_size} ran, but not even a batch of 1 fits the "
+                f"{format_bytes(budget)} budget with room for Keras' copy of the data "
+                f"({format_bytes(sum(copies))}); pass a larger max_bytes")
     finally:
         abort_all()
         snapshot.restore()

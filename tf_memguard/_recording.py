@@ -5,7 +5,7 @@ the step (the pool's trace, started at its first allocation and stopped after it
 While a batch size is being profiled, the TensorFlow plugin tags the kernel allocations
 whose first dimension is that batch size (tfmg_set_profile_batch).
 
-fit_steps() runs a short fit() of its own (two steps, the second recorded) and restores
+fit_steps() runs a short fit() of its own (two steps, the second recorded, or one) and restores
 the model's weights and optimizer state exactly: the second batch size the memory model
 needs, a complete step after an out-of-memory error, and find_batch_size's measurements.
 Its steps run as fit() runs them (a lone train_on_batch step runs another graph: its batch
@@ -129,13 +129,14 @@ def in_own_steps():
     return bool(_nested)
 
 
-def _record_second_step(recorder, batch_size):
+def _record_step(recorder, batch_size, at=1):
     """A Keras callback that profiles the batch size from the epoch's start and records the
-    second step (the first may trace the step's function for the new batch dimension).
-    Made on first use: importing tf_memguard imports no Keras."""
+    step `at` (0-based: by default the second, since the first may trace the step's
+    function for the new batch dimension). Made on first use: importing tf_memguard imports
+    no Keras."""
     import keras
 
-    class RecordSecondStep(keras.callbacks.Callback):
+    class RecordStep(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
             self.trace = None
@@ -144,12 +145,12 @@ def _record_second_step(recorder, batch_size):
             _core.set_profile_batch(batch_size)
 
         def on_train_batch_begin(self, batch, logs=None):
-            if batch == 1:
+            if batch == at:
                 recorder.pool.reset_peak()
                 recorder.begin(batch_size)
 
         def on_train_batch_end(self, batch, logs=None):
-            if batch == 1:
+            if batch == at:
                 self.trace = recorder.end(True)
                 if self.trace is not None:
                     # The step's own peak as it ran (its threads' order, the pool's layout):
@@ -161,27 +162,32 @@ def _record_second_step(recorder, batch_size):
             if recorder.active:
                 self.trace = recorder.end(False)
 
-    return RecordSecondStep()
+    return RecordStep()
 
 
-def fit_steps(model, x, y, batch_size, recorder, samples=None):
-    """Two steps of fit() at `batch_size`, the second recorded (fit()'s own pipeline, its
-    copy of the data, the trace of the step it runs): a StepTrace, complete=False when the
-    second step was refused; None when the first was. `samples`: fit() on that many of the
-    first samples (default: all; one more than two batches makes the last batch partial,
-    and the trace the one for an unknown batch dimension). The model's weights and
-    optimizer state are restored exactly, its metrics reset."""
+def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2):
+    """`steps` steps of fit() at `batch_size` (1 or 2), the last recorded (fit()'s own
+    pipeline, its copy of the data, the trace of the step it runs): a StepTrace,
+    complete=False when the recorded step was refused; None when an earlier one was.
+    `samples`: fit() on that many of the first samples (default: all; one more than two
+    batches makes the last batch partial, and the trace the one for an unknown batch
+    dimension). One step is the first of its fit() at this size: where the function has
+    no trace for it yet, the recorded step includes the tracing (StepModel.build's
+    `first`). The model's weights and optimizer state are restored exactly, its metrics
+    reset."""
+    if steps not in (1, 2):
+        raise ValueError(f"fit_steps(steps={steps!r}): must be 1 or 2")
     import keras
     if samples is not None:
         x = keras.tree.map_structure(lambda a: a[:samples], x)
         y = keras.tree.map_structure(lambda a: a[:samples], y) if y is not None else None
     snapshot = Snapshot(model)
-    cb = _record_second_step(recorder, batch_size)
+    cb = _record_step(recorder, batch_size, at=steps - 1)
     history = getattr(model, "history", None)
     _nested.append(True)
     gc.collect()
     try:
-        model.fit(x, y, batch_size=batch_size, epochs=1, steps_per_epoch=2, verbose=0, shuffle=False,
+        model.fit(x, y, batch_size=batch_size, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False,
                   callbacks=[cb])
     except _backend.oom_errors() as e:
         cb.failed()
