@@ -2,13 +2,9 @@
 recorded steps of fit(), without a full run."""
 from tf_memguard import _backend, _core, _install
 from tf_memguard._memory_model import StepModel
-from tf_memguard._recording import (Snapshot, StepRecorder, abort_all, fit_steps, prepared_bytes, unmet_prepared,
-                                    without_blocks)
+from tf_memguard._recording import (BATCH_DATA_FLAGS, Snapshot, StepRecorder, abort_all, fit_steps, prepared_bytes,
+                                    unmet_prepared, without_blocks)
 from tf_memguard._units import format_bytes, parse_bytes
-
-# The flags of a block of batch-shaped data live at a step's start (what the model keeps
-# for prepared batches, and for what it was shown to fall short of).
-_BATCH_DATA = _core.ALLOC_BATCH | (_core.KINDS.index("data") << _core.ALLOC_KIND_SHIFT)
 
 
 # The steps the last call recorded (StepTraces, None for a step refused in its first),
@@ -118,13 +114,13 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         # What the model was shown to fall short of, per sample: a step refused at a size
         # the model said fits needed more than the room, by at least what the model's
         # replay there leaves of it. Kept as one more batch-tagged block at the start.
-        short = [0.0]
+        short = 0.0
 
         def build(template, other=None):
             extra = unmet_prepared(template, max(per_sample) * template.batch_size)
             sizes, flags = extra if extra is not None else ([], [])
-            if short[0] * template.batch_size >= align:
-                sizes, flags = sizes + [int(short[0] * template.batch_size)], flags + [_BATCH_DATA]
+            if short * template.batch_size >= align:
+                sizes, flags = sizes + [int(short * template.batch_size)], flags + [BATCH_DATA_FLAGS]
             return StepModel.build(template, other, extra_start=(sizes, flags) if sizes else None)
         # The first size runs two steps (the first traces the step and builds the
         # optimizer's slots); every next size one, recorded as it traces or not: three
@@ -154,7 +150,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
             else:
                 too_large = size
                 fell_short = room - current.need(size)["peak_account"]
-                short[0] = max(short[0], fell_short / size)
+                short = max(short, fell_short / size)
             current = build(good, lower)
         # The answer is the model's, below every size refused: near the last size run, so
         # little extrapolated; it may be below the last size that completed (a step that

@@ -172,8 +172,9 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2):
     `samples`: fit() on that many of the first samples (default: all; one more than two
     batches makes the last batch partial, and the trace the one for an unknown batch
     dimension). One step is the first of its fit() at this size: where the function has
-    no trace for it yet, the recorded step includes the tracing (StepModel.build's
-    `first`). The model's weights and optimizer state are restored exactly, its metrics
+    no trace for it yet, the recorded step includes the tracing's own blocks (freed before
+    the step's kernels run; a model takes those it cannot match as bounded, never as
+    less). The model's weights and optimizer state are restored exactly, its metrics
     reset."""
     if steps not in (1, 2):
         raise ValueError(f"fit_steps(steps={steps!r}): must be 1 or 2")
@@ -250,6 +251,12 @@ def prepared_bytes(trace):
     return int(trace.start_size[tagged].sum()) + int(sum(live.values()))
 
 
+# The flags of a batch-shaped block of data live at a step's start, added to a recorded
+# step by the models (tf.data's prepared batches it did not meet; what a model was shown
+# to fall short of per sample).
+BATCH_DATA_FLAGS = _core.ALLOC_BATCH | (_core.KINDS.index("data") << _core.ALLOC_KIND_SHIFT)
+
+
 def unmet_prepared(trace, most):
     """What tf.data had prepared for other steps (`most` bytes at `trace`'s batch size)
     beyond what `trace`'s step met, as one more batch-tagged block live at its start
@@ -260,4 +267,4 @@ def unmet_prepared(trace, most):
     unmet = int(most) - prepared_bytes(trace)
     if unmet < int(trace.layout.get("alignment", 64) or 64):
         return None
-    return [unmet], [_core.ALLOC_BATCH | (_core.KINDS.index("data") << _core.ALLOC_KIND_SHIFT)]
+    return [unmet], [BATCH_DATA_FLAGS]
