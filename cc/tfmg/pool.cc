@@ -79,16 +79,16 @@ void pool::insert_free_locked(block* b) {
     block* head = lists_[n];
     if (head != nullptr && b->addr < head->addr) {
       // The head stays the block at the higher address of the two.
-      b->fprev = head;
+      b->at.fprev = head;
       b->fnext = head->fnext;
-      if (b->fnext != nullptr) b->fnext->fprev = b;
+      if (b->fnext != nullptr) b->fnext->at.fprev = b;
       head->fnext = b;
       ++listed_;
       return;
     }
-    b->fprev = nullptr;
+    b->at.fprev = nullptr;
     b->fnext = head;
-    if (head != nullptr) head->fprev = b;
+    if (head != nullptr) head->at.fprev = b;
     lists_[n] = b;
     const std::size_t w = n / 64;
     list_bits_[w] |= std::uint64_t{1} << (n % 64);
@@ -98,16 +98,16 @@ void pool::insert_free_locked(block* b) {
     return;
   }
   b->bin = bin_of(b->size);
-  b->where = bins_[b->bin].insert(free_key{b->size, b->addr, b}).first;
+  b->at.where = bins_[b->bin].insert(free_key{b->size, b->addr, b}).first;
   bin_bits_[b->bin / 64] |= std::uint64_t{1} << (b->bin % 64);
 }
 
 void pool::erase_free_locked(block* b) {
   if (exact(b->size)) {
     const std::size_t n = b->size >> granule_shift_;
-    if (b->fnext != nullptr) b->fnext->fprev = b->fprev;
-    if (b->fprev != nullptr) {
-      b->fprev->fnext = b->fnext;
+    if (b->fnext != nullptr) b->fnext->at.fprev = b->at.fprev;
+    if (b->at.fprev != nullptr) {
+      b->at.fprev->fnext = b->fnext;
     } else {
       lists_[n] = b->fnext;
       if (b->fnext == nullptr) {
@@ -123,7 +123,7 @@ void pool::erase_free_locked(block* b) {
     return;
   }
   free_set& set = bins_[b->bin];
-  set.erase(b->where);
+  set.erase(b->at.where);
   if (set.empty()) bin_bits_[b->bin / 64] &= ~(std::uint64_t{1} << (b->bin % 64));
 }
 
@@ -181,7 +181,7 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
     return nullptr;
   }
   alignment = std::max(alignment, granule_);
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   // Anything above half the address space cannot be served and would overflow rounding.
   if (bytes > (std::numeric_limits<std::size_t>::max() >> 1)) {
     refuse_locked(bytes, alignment, flags, error);
@@ -258,12 +258,18 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
 
 bool pool::back_block_locked(block* b, bool* device_full) {
   pooled_peak_ = std::max(pooled_peak_, pooled_in_use_ + b->size);
+  if (b->backed && backed_ <= budget_left_locked()) {
+    // Nothing to back and nothing to take back (what the general path below does in
+    // this case, without asking the upstream).
+    if (trim_ > 0) note_trim_locked(false, 0);
+    return true;
+  }
   // Far from the budget (and with no trim line) the block cannot pass it, whatever of
   // its granules lack backing: no need to count them first.
   const std::size_t page = upstream_->page_size();
   const std::size_t budget = budget_left_locked();  // overshoot counts against the budget
   const bool far = trim_ == 0 && backed_ <= budget && b->size + 2 * page <= budget - backed_;
-  const std::size_t need = far ? 0 : upstream_->unbacked(reinterpret_cast<void*>(b->addr), b->size);
+  const std::size_t need = b->backed || far ? 0 : upstream_->unbacked(reinterpret_cast<void*>(b->addr), b->size);
   bool reclaimed = false;
   bool soft_only = false;  // a reclaim for the trim line alone, the budget not reached
   std::chrono::steady_clock::time_point reclaim_start;
@@ -297,7 +303,8 @@ bool pool::back_block_locked(block* b, bool* device_full) {
     }
   }
   std::size_t added = 0;
-  const bool ok = upstream_->back(reinterpret_cast<void*>(b->addr), b->size, &added);
+  const bool ok = b->backed || upstream_->back(reinterpret_cast<void*>(b->addr), b->size, &added);
+  b->backed = ok;
   // What the reclaim retired and back() did not map again (or unbacked again on
   // failure) is given back now.
   if (reclaimed || !ok) upstream_->settle();
@@ -338,6 +345,7 @@ std::size_t pool::reclaim_locked(std::size_t bytes, bool dry_run) {
     // the blocks that will be carved there.
     const std::size_t n = dry_run ? upstream_->discardable(p, f->size) : upstream_->retire(p, f->size, bytes - gone);
     if (!dry_run) backed_ -= n;
+    if (!dry_run && n > 0) f->backed = false;
     gone += n;
     return gone >= bytes;
   };
@@ -440,6 +448,7 @@ pool::block* pool::carve_locked(block* b, std::size_t size, std::size_t alignmen
       nb->addr = b->addr + pad;
       nb->size = b->size - pad;
       nb->free = true;
+      nb->backed = b->backed;
       link_after(b, nb);
       rekey_free_locked(b, b->addr, pad);
       insert_free_locked(nb);
@@ -455,6 +464,7 @@ pool::block* pool::carve_locked(block* b, std::size_t size, std::size_t alignmen
   block* used = new_block_locked();
   used->size = size;
   used->free = false;
+  used->backed = b->backed;
   const std::size_t rest = b->size - size;
   if (small) {
     // Handed out from the high end; the low end stays free.
@@ -514,11 +524,11 @@ void pool::rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size) {
       // A bin's lone block (a region's remainder, most often) keeps its place whatever its
       // key: no neighbours to compare with.
       const bool alone = set.size() == 1;
-      const bool after_prev = alone || b->where == set.begin() || *std::prev(b->where) < key;
-      const bool before_next = alone || std::next(b->where) == set.end() || key < *std::next(b->where);
+      const bool after_prev = alone || b->at.where == set.begin() || *std::prev(b->at.where) < key;
+      const bool before_next = alone || std::next(b->at.where) == set.end() || key < *std::next(b->at.where);
       if (after_prev && before_next) {
-        b->where->size = size;
-        b->where->addr = addr;
+        b->at.where->size = size;
+        b->at.where->addr = addr;
         b->addr = addr;
         b->size = size;
         return;
@@ -531,8 +541,8 @@ void pool::rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size) {
       set.swap(bins_[bin]);
       bin_bits_[b->bin / 64] &= ~(std::uint64_t{1} << (b->bin % 64));
       bin_bits_[bin / 64] |= std::uint64_t{1} << (bin % 64);
-      b->where->size = size;
-      b->where->addr = addr;
+      b->at.where->size = size;
+      b->at.where->addr = addr;
       b->addr = addr;
       b->size = size;
       b->bin = bin;
@@ -540,14 +550,14 @@ void pool::rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size) {
     }
     // To another place or bin: the tree node moves, re-keyed (no node freed and made
     // again).
-    auto node = set.extract(b->where);
+    auto node = set.extract(b->at.where);
     if (set.empty()) bin_bits_[b->bin / 64] &= ~(std::uint64_t{1} << (b->bin % 64));
     node.value().size = size;
     node.value().addr = addr;
     b->addr = addr;
     b->size = size;
     b->bin = bin;
-    b->where = bins_[bin].insert(std::move(node)).position;
+    b->at.where = bins_[bin].insert(std::move(node)).position;
     bin_bits_[bin / 64] |= std::uint64_t{1} << (bin % 64);
     return;
   }
@@ -595,6 +605,7 @@ bool pool::grow_locked(std::size_t size, std::size_t alignment) {
   b->prev = b->next = nullptr;
   b->owner = r.get();
   b->free = true;
+  b->backed = !backs_;  // address space only, until blocks carved from it are backed
   r->first = b;
   insert_free_locked(b);
   regions_.push_back(std::move(r));
@@ -707,7 +718,7 @@ bool pool::deallocate(void* p, std::size_t* size_out, pool_error* error) {
     return true;
   }
   const auto addr = reinterpret_cast<std::uintptr_t>(p);
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   if (block* b = live_.erase(addr)) {
     pooled_in_use_ -= b->size;
     note_free_locked(b->size, b->batch, b->kind);
@@ -745,6 +756,7 @@ void pool::free_block_locked(block* b) {
   block* next = (b->next != nullptr && b->next->free) ? b->next : nullptr;
   if (prev != nullptr) {
     std::size_t size = prev->size + b->size;
+    prev->backed = prev->backed && b->backed && (next == nullptr || next->backed);
     unlink(b);
     recycle_block_locked(b);
     if (next != nullptr) {
@@ -757,6 +769,7 @@ void pool::free_block_locked(block* b) {
   } else if (next != nullptr) {
     const std::uintptr_t addr = b->addr;
     const std::size_t size = b->size + next->size;
+    next->backed = next->backed && b->backed;
     unlink(b);
     recycle_block_locked(b);
     rekey_free_locked(next, addr, size);
@@ -796,7 +809,7 @@ void pool::describe_pointer_error_locked(std::uintptr_t p, pool_error* error) co
 
 bool pool::block_size(const void* p, std::size_t* out) const {
   const auto addr = reinterpret_cast<std::uintptr_t>(p);
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   if (const block* b = live_.find(addr)) {
     *out = b->size;
     return true;
@@ -813,7 +826,7 @@ bool pool::block_size(const void* p, std::size_t* out) const {
 // Budget, regions, statistics
 
 bool pool::set_limit(std::size_t max_bytes, bool drain, pool_error* error) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   if (max_bytes == 0) {
     error->status = TFMG_ERROR_INVALID_ARGUMENT;
     error->message = "max_bytes=0: a budget must be a positive number of bytes";
@@ -924,16 +937,19 @@ void pool::release_region_locked(region* r) {
 }
 
 std::size_t pool::release_unused() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   const std::size_t released = release_unused_locked();
   // The pages wholly inside free blocks of the regions that stay go back to the OS.
   const std::size_t page = upstream_->page_size();
   for (const auto& r : regions_) {
-    for (const block* b = r->first; b != nullptr; b = b->next) {
+    for (block* b = r->first; b != nullptr; b = b->next) {
       if (!b->free) continue;
       const std::uintptr_t lo = round_up(b->addr, page);
       const std::uintptr_t hi = round_down(b->addr + b->size, page);
-      if (hi > lo) backed_ -= upstream_->discard(reinterpret_cast<void*>(lo), hi - lo);
+      if (hi > lo) {
+        backed_ -= upstream_->discard(reinterpret_cast<void*>(lo), hi - lo);
+        b->backed = false;
+      }
     }
   }
   return released;
@@ -958,7 +974,7 @@ std::size_t pool::release_unused_locked() {
 }
 
 void pool::release_all() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   for (auto& r : regions_) {
     upstream_->deallocate(reinterpret_cast<void*>(r->base), r->size, upstream_->page_size(), true);
   }
@@ -983,7 +999,7 @@ void pool::release_all() {
 }
 
 std::size_t pool::in_use_blocks() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   return live_.size() + direct_.size();
 }
 
@@ -1053,14 +1069,14 @@ void pool::fill_stats_locked(tfmg_stats* s) const {
 }
 
 tfmg_stats pool::stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   tfmg_stats s{};
   fill_stats_locked(&s);
   return s;
 }
 
 void pool::clear_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   const std::size_t in_use = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
   num_allocs_ = 0;
   largest_alloc_ = 0;
@@ -1068,7 +1084,7 @@ void pool::clear_stats() {
 }
 
 void pool::reset_peak() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   window_peak_ = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
   window_peak_batch_ = batch_in_use_;
   window_max_batch_ = batch_in_use_;
@@ -1078,7 +1094,7 @@ void pool::reset_peak() {
 }
 
 bool pool::last_refusal(tfmg_refusal* out) const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   if (!has_refusal_) return false;
   *out = last_refusal_;
   return true;
@@ -1110,7 +1126,7 @@ std::string pool::state_locked() const {
 }
 
 std::string pool::describe() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   std::string backing = upstream_->backing_summary();
   if (num_reclaims_ > 0) {
     char ms[64];
@@ -1128,23 +1144,23 @@ std::string pool::describe() const {
 }
 
 std::vector<tfmg_trace_event> pool::trace(std::uint64_t* dropped) const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   if (dropped != nullptr) *dropped = trace_.dropped();
   return trace_.events();
 }
 
 void pool::trace_clear() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   trace_.clear();
 }
 
 void pool::trace_start(std::size_t capacity) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   trace_.restart(capacity);
 }
 
 std::vector<tfmg_live_block> pool::live_blocks() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   std::vector<tfmg_live_block> out;
   out.reserve(live_.size() + direct_.size());
   live_.for_each([&out](std::uintptr_t, const block* b) {
@@ -1187,7 +1203,7 @@ void pool::recycle_block_locked(block* b) { spare_blocks_.push_back(b); }
 // Invariants
 
 bool pool::is_valid(std::string* why) const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<pool_lock> lock(mutex_);
   auto fail = [why](const std::string& what) {
     if (why != nullptr) *why = what;
     return false;
@@ -1197,7 +1213,7 @@ bool pool::is_valid(std::string* why) const {
   std::unordered_set<const block*> listed;
   for (std::size_t n = 0; n < kExact; ++n) {
     for (const block* x = lists_[n], *before = nullptr; x != nullptr; before = x, x = x->fnext) {
-      if (!x->free || x->owner->draining || (x->size >> granule_shift_) != n || x->fprev != before ||
+      if (!x->free || x->owner->draining || (x->size >> granule_shift_) != n || x->at.fprev != before ||
           !listed.insert(x).second) {
         return fail("list " + std::to_string(n) + " holds a block that is not free there, or a broken link");
       }
@@ -1220,6 +1236,12 @@ bool pool::is_valid(std::string* why) const {
       if (b->size == 0 || b->size % granule_ != 0 || b->addr % granule_ != 0) {
         return fail(where + ": size or address not a multiple of the granule");
       }
+      if (backs_ && !r->draining) {
+        if (!b->free && !b->backed) return fail(where + ": in use but not marked backed");
+        if (b->backed && upstream_->unbacked(reinterpret_cast<void*>(b->addr), b->size) != 0) {
+          return fail(where + ": marked backed, but granules under it are not");
+        }
+      }
       if (b->free && r->draining) {
         if (prev != nullptr && prev->free) return fail(where + ": two free neighbours not coalesced");
       } else if (b->free) {
@@ -1229,8 +1251,8 @@ bool pool::is_valid(std::string* why) const {
           // Checked from the lists' side below: every listed block is free, in the list
           // of its size, linked both ways; here that it is listed at all.
           if (listed.count(b) == 0) return fail(where + ": free but not in the list of its size");
-        } else if (b->bin != bin_of(b->size) || b->where->b != b || b->where->size != b->size ||
-                   b->where->addr != b->addr || bins_[b->bin].find(*b->where) != b->where) {
+        } else if (b->bin != bin_of(b->size) || b->at.where->b != b || b->at.where->size != b->size ||
+                   b->at.where->addr != b->addr || bins_[b->bin].find(*b->at.where) != b->at.where) {
           return fail(where + ": free but not indexed in its bin");
         }
       } else {
