@@ -2,8 +2,8 @@
 recorded steps of fit(), without a full run."""
 from tf_memguard import _backend, _core, _install
 from tf_memguard._memory_model import StepModel
-from tf_memguard._recording import (BATCH_DATA_FLAGS, Snapshot, StepRecorder, abort_all, fit_steps, prepared_bytes,
-                                    unmet_prepared, without_blocks)
+from tf_memguard._recording import (SHORTFALL_FLAGS, Snapshot, StepRecorder, abort_all, epoch_of, fit_steps,
+                                    prepared_bytes, unmet_prepared, without_blocks)
 from tf_memguard._units import format_bytes, parse_bytes
 
 
@@ -96,6 +96,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         trace = fit_steps(model, x, y, size, recorder, steps=steps)
         return without_blocks(trace, copies, kind="input") if trace is not None else None
     room = budget - sum(copies)
+    # fit() at the answer runs epochs over the arrays, whose prepared batches they bound.
+    epoch = epoch_of(x, y, n) if _backend.framework() == "tensorflow" else None
     try:
         b1 = min(int(start) if start else 32, n)
         first = steps_at(b1, 2)
@@ -120,8 +122,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
             extra = unmet_prepared(template, max(per_sample) * template.batch_size)
             sizes, flags = extra if extra is not None else ([], [])
             if short * template.batch_size >= align:
-                sizes, flags = sizes + [int(short * template.batch_size)], flags + [BATCH_DATA_FLAGS]
-            return StepModel.build(template, other, extra_start=(sizes, flags) if sizes else None)
+                sizes, flags = sizes + [int(short * template.batch_size)], flags + [SHORTFALL_FLAGS]
+            return StepModel.build(template, other, extra_start=(sizes, flags) if sizes else None, epoch=epoch)
         # The first size runs two steps (the first traces the step and builds the
         # optimizer's slots); every next size one, recorded as it traces or not: three
         # sizes within four steps, the last one near the limit, so that the answer needs
@@ -152,10 +154,16 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
                 fell_short = room - current.need(size)["peak_account"]
                 short = max(short, fell_short / size)
             current = build(good, lower)
-        # The answer is the model's, below every size refused: near the last size run, so
-        # little extrapolated; it may be below the last size that completed (a step that
+        # The answer is the model's, below every size refused and at most the largest size
+        # whose step completed: the model picks where to look, the runs decide (as after an
+        # out-of-memory error, _steps.model_after_oom). A step's peak moves with the order
+        # TensorFlow's threads run its kernels (the zoo's separable CNN at 341: 257 to 305
+        # MiB over one run's steps), so one step that peaked low says too much: on the zoo's
+        # mixed-precision model, a step at 717 that peaked at 160 MiB where others at 717
+        # peaked at 203 made the model name 901, which ran out in its first step (817 was
+        # the most that trained). It may be below the last size that completed (a step that
         # ran without Keras' copy of the arrays, for which the room is kept).
-        size = min(current.largest_fitting(room, at_most=n), too_large - 1)
+        size = min(current.largest_fitting(room, at_most=n), too_large - 1, good.batch_size)
         if size < 1:
             raise _core.OutOfBudgetError(
                 f"find_batch_size: a batch of {good.batch_size} ran, but not even a batch of 1 fits the "

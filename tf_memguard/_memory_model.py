@@ -262,9 +262,16 @@ class StepModel:
     layout: dict
     spread_bytes: int = 0     # kept free: how much higher fit()'s steps peaked
     complete: bool = True
+    # The epoch's samples and the bytes per sample of one of its batches (Keras' pipeline
+    # over arrays), when the prepared batches at a step's start are bounded by the epoch
+    # (see _ops); 0: not bounded (a dataset, steps_per_epoch given, another framework).
+    samples: int = 0
+    batch_bytes_per_sample: float = 0.0
+    prepared_per_sample: float = 0.0  # tf.data's batches in the recorded step, per sample
 
     @classmethod
-    def build(cls, template, other=None, start=None, observed_peak=None, first=False, extra_start=None):
+    def build(cls, template, other=None, start=None, observed_peak=None, first=False, extra_start=None,
+              epoch=None):
         """The model of `template`'s step (complete), its untagged blocks' slopes from
         `other`, starting from `start`'s live blocks (default: template's own) and
         `extra_start` ((sizes, flags) of more blocks live then, recorded at start's batch
@@ -272,7 +279,9 @@ class StepModel:
         `first`: the template is a run's first step, which traces the step's function: its
         blocks made outside kernels that no second step explains (graph optimization's
         constants and copies, tf.data's set-up) are taken as fixed, where a steady step's
-        would be bounded (the batch-shaped ones among them are made by kernels, tagged)."""
+        would be bounded (the batch-shaped ones among them are made by kernels, tagged).
+        `epoch`: (samples, bytes per sample of a batch) of the epochs fit() runs over arrays,
+        or None (see _ops)."""
         start = start or template
         fixed_kinds = [KINDS.index(k) for k in ("constant", "copy", "tensor", "raw", "data", "input")] if first else ()
         weights = start.start_size[(start.start_flags & _BATCH) == 0]
@@ -319,7 +328,10 @@ class StepModel:
                     ev_flags=np.array(ev_flags, dtype=np.uint32), ev_fixed_lo=np.array(ev_flo),
                     ev_lo=np.array(ev_lo), ev_fixed_hi=np.array(ev_fhi), ev_hi=np.array(ev_hi), nslots=nslots,
                     base_batch=int(template.batch_size), layout=dict(template.layout),
-                    complete=bool(template.complete))
+                    complete=bool(template.complete), samples=int(epoch[0]) if epoch else 0,
+                    batch_bytes_per_sample=float(epoch[1]) if epoch else 0.0)
+        if epoch:
+            model.prepared_per_sample = _prepared_peak(model) / float(template.batch_size)
         peak = template.observed_peak if observed_peak is None else observed_peak
         if peak:
             replayed = model.need(template.batch_size)["peak_account"]
@@ -337,7 +349,24 @@ class StepModel:
         fixed, slope = (self.ev_fixed_hi, self.ev_hi) if b >= self.base_batch else (self.ev_fixed_lo, self.ev_lo)
         align = max(int(self.layout.get("alignment", 64)), 1)
         ev = np.where(self.ev_alloc, np.maximum(fixed + slope * b, 1.0), 0.0)
-        st = np.maximum(self.start_fixed + self.start_slope * b, 1.0)
+        st = self.start_fixed + self.start_slope * b
+        held = self.prepared_per_sample * b
+        if self.samples and self.batch_bytes_per_sample > 0 and held > 0:
+            # tf.data's batches (prepared ahead, live at the step's start or made during
+            # it) are batches of the same epoch: Keras makes an iterator per epoch over
+            # arrays, so at step k at most the full batches k..floor(n/b)-1 exist (a partial
+            # last one is not tagged). Scaled to b, what the recorded step held can pass
+            # that: on the zoo's autoencoder (2,048 samples) a step at 569 began with two
+            # batches, which at 1,139 would be 2,278 samples where one batch of 1,139
+            # exists.
+            most = self.batch_bytes_per_sample * b * (self.samples // max(int(b), 1))
+            if held > most:
+                f = most / held
+                start, made = _prepared(self)
+                st = np.where(start, st * f, st)
+                ev = np.where(made, ev * f, ev)
+        st = np.maximum(st, 1.0)
+        ev = np.where(self.ev_alloc, np.maximum(ev, 1.0), 0.0)
         sizes = (np.ceil(np.concatenate([st, ev]) / align) * align).astype(np.uint64)
         # Start blocks keep their flags (MUST_SUCCEED for overshoot): they exist whatever
         # the budget; they are allocated first, as what the step finds live.
@@ -447,6 +476,30 @@ class StepModel:
                  "ev_alloc": bool, "ev_slot": np.uint32, "ev_flags": np.uint32, "ev_fixed_lo": np.float64,
                  "ev_lo": np.float64, "ev_fixed_hi": np.float64, "ev_hi": np.float64}
         return cls(**{k: (np.asarray(v, dtype=types[k]) if k in types else v) for k, v in d.items()})
+
+
+def _prepared(model):
+    """Which blocks are tf.data's batches (as _recording.prepared_bytes counts them): the
+    batch-tagged blocks live at the step's start, and the batch-tagged blocks the step
+    makes and does not free (batches prepared during it; a Keras pipeline that shuffles
+    makes them in a map function's kernels, not as kind "data"). Masks of the start
+    blocks and of the events."""
+    # (Not kind "other": the plugin tags only blocks whose request it knows; a tagged block
+    # of kind "other" is a model's own correction, find_batch_size's shortfall.)
+    start = ((model.start_flags & _BATCH) != 0) & (model.start_slope > 0) & (kind_of(model.start_flags) != 0)
+    freed = np.zeros(model.nslots, dtype=bool)
+    freed[model.ev_slot[~model.ev_alloc]] = True
+    made = model.ev_alloc & ((model.ev_flags & _BATCH) != 0) & (model.ev_hi > 0) & ~freed[model.ev_slot]
+    return start, made
+
+
+def _prepared_peak(model):
+    """The bytes of tf.data's batches in `model`'s step at its recorded batch size: those
+    live at its start and those it prepares (_prepared), all live at its end."""
+    b = float(model.base_batch)
+    start, made = _prepared(model)
+    return float((model.start_fixed[start] + model.start_slope[start] * b).sum() +
+                 (model.ev_fixed_hi[made] + model.ev_hi[made] * b).sum())
 
 
 def _replay_upstream(layout):

@@ -252,9 +252,13 @@ def prepared_bytes(trace):
 
 
 # The flags of a batch-shaped block of data live at a step's start, added to a recorded
-# step by the models (tf.data's prepared batches it did not meet; what a model was shown
-# to fall short of per sample).
+# step by the models: tf.data's prepared batches it did not meet (bounded by the epoch,
+# as the batches it met: StepModel._ops).
 BATCH_DATA_FLAGS = _core.ALLOC_BATCH | (_core.KINDS.index("data") << _core.ALLOC_KIND_SHIFT)
+# The same for what a model was shown to fall short of per sample (find_batch_size): not
+# tf.data's, so not bounded by the epoch (kind "other", which no tagged block the plugin
+# records has).
+SHORTFALL_FLAGS = _core.ALLOC_BATCH
 
 
 def unmet_prepared(trace, most):
@@ -268,3 +272,13 @@ def unmet_prepared(trace, most):
     if unmet < int(trace.layout.get("alignment", 64) or 64):
         return None
     return [unmet], [BATCH_DATA_FLAGS]
+
+
+def epoch_of(x, y, samples):
+    """(samples, bytes per sample of one batch) of the epochs fit() runs over the arrays x
+    and y (StepModel.build's `epoch`): what bounds the batches tf.data prepares ahead."""
+    import keras
+    arrays = [a for a in keras.tree.flatten((x, y)) if a is not None and hasattr(a, "nbytes") and len(a)]
+    if not samples or not arrays:
+        return None
+    return int(samples), float(sum(a.nbytes / len(a) for a in arrays))

@@ -56,7 +56,7 @@ ASCENT_RUNS = 3
 class StepSampler:
     """Records the steps of one fit() run and makes the StepModel of its training step."""
 
-    def __init__(self, pool, batch_size, n_samples=None, steps_per_epoch=None, x=None, y=None):
+    def __init__(self, pool, batch_size, n_samples=None, steps_per_epoch=None, x=None, y=None, own_epochs=True):
         self.pool = pool
         self.b0 = int(batch_size)
         self.n = n_samples
@@ -64,6 +64,9 @@ class StepSampler:
         self.steps = steps_per_epoch
         self.recorder = _recording.StepRecorder(pool)
         self.tf = _backend.framework() == "tensorflow"
+        # What bounds the batches tf.data prepares ahead: the epoch over the arrays, when
+        # fit() makes one of its own per epoch (no steps_per_epoch given).
+        self.epoch = _recording.epoch_of(x, y, n_samples) if self.tf and own_epochs and x is not None else None
         # Keras' pipeline has batches of a known size only when b0 divides the samples: then
         # the recorded steps run the trace with a known batch dimension ("static"), and a
         # lone step (whose new size makes TensorFlow trace the step again, relaxed to an
@@ -209,17 +212,18 @@ class StepSampler:
         spread from `observed_peak` (the highest step peak fit() showed at b0)."""
         if self._model is None and (self.template is not None or self.first is not None):
             steady = StepModel.build(self.template, self.other, observed_peak=observed_peak or None,
-                                     extra_start=self._unmet_prepared(self.template)) \
+                                     extra_start=self._unmet_prepared(self.template), epoch=self.epoch) \
                 if self.template is not None else None
             # (Not the first step's: a run's first step meets the pipeline as it starts.)
-            first = StepModel.build(self.first, self.other, first=True) if self.first is not None else None
+            first = StepModel.build(self.first, self.other, first=True, epoch=self.epoch) \
+                if self.first is not None else None
             domain = "static" if self.static else "all"
             models, domains = [steady, first], [domain, domain]
             start = self.template or self.first
             if self.static and self.lone is not None and self.lone.complete:
                 # The other trace: the short fit()'s step, for the sizes that do not divide
                 # the samples.
-                models.append(StepModel.build(self.lone, start))
+                models.append(StepModel.build(self.lone, start, epoch=self.epoch))
                 domains.append("dynamic")
             self._model = StepModels(models, domains, samples=self.n if self.tf else None)
         return self._model
@@ -312,7 +316,7 @@ class StepSampler:
 
         def build(template, other=None):
             return StepModel.build(plain(template), plain(other) if other is not None else None,
-                                   extra_start=unmet(template))
+                                   extra_start=unmet(template), epoch=self.epoch)
 
         def ran(trace):
             # A short run that completed proves its size for a retry that copies the
@@ -346,17 +350,24 @@ class StepSampler:
         if good is None:
             # Not even a batch of 1 ran: none fits (advice_cap is 0), and the failed step
             # says what a batch of 1 would need at least.
-            self._model = StepModels([StepModel.build(self.prefix, None, first=True)])
+            self._model = StepModels([StepModel.build(self.prefix, None, first=True, epoch=self.epoch)])
             return self._model if self.too_large == 1 else None
 
-        def failed():
+        def with_failed(model):
             # The failed step up to its refusal, its blocks lined up with a complete step's
             # (without that second size, on PyTorch, whose blocks carry no batch tag, none
-            # of them would shrink with the batch).
-            return StepModel.build(plain(self.prefix), plain(good), first=True)
+            # of them would shrink with the batch): the retry's first step must fit too.
+            # Unless a short run shows it wrong: its first step, which traced the step as
+            # the retry's will, completed at a size this model says does not fit. The
+            # failed step can have built what the retry finds built (the zoo's embedding
+            # model: Adam's two slots of its 12 MiB table, and their initial values, made
+            # while 71 MiB of 76 were in use); by it, no size above 300 fitted, where a
+            # short run at 658 completed and 823 trained.
+            f = StepModel.build(plain(self.prefix), plain(good), first=True, epoch=self.epoch)
+            return StepModels([model, f] if f.fits(good.batch_size, limit()) else [model])
         # One size only: every block that is not batch-shaped is taken as proportional above
         # it, which can only overstate the need; the next size corrects it.
-        current = StepModels([build(good), failed()])
+        current = with_failed(build(good))
         refused = False
         for _ in range(ASCENT_RUNS):
             if refused:
@@ -368,7 +379,7 @@ class StepSampler:
             trace = self._nested(model, size, all_samples=True)
             if ran(trace):
                 lower, good = good, trace
-                current = StepModels([build(good, lower), failed()])
+                current = with_failed(build(good, lower))
                 self.after_oom.append(size)
             else:
                 self.too_large = min(self.too_large, size)

@@ -154,3 +154,30 @@ def test_untagged_steps_in_the_same_order_are_matched_by_position():
     assert need == (4 + 2 * 4 + 4 * 4) * MiB   # weights 4 MiB, 8 and 16 MiB at 128
     unordered = mm.StepModel.build(dataclasses.replace(t64, ordered=False), dataclasses.replace(t32, ordered=False))
     assert unordered.need(128)["peak_account"] < need   # the coincidence fools the size match
+
+
+def test_batches_prepared_ahead_are_bounded_by_the_epoch():
+    """tf.data's batches live at a step's start (here two of 0.25 MiB per sample, tagged)
+    scale with the batch size, but an epoch over n samples holds at most floor(n / b) full
+    batches: above n / 2 samples, one."""
+    n, per = 1000, MiB // 4
+
+    def recorded(b):
+        pool = make_pool()
+        prepared = [pool.allocate(b * per, batch=True, kind="data") for _ in range(2)]
+        t = record(pool, b)
+        for p in prepared:
+            pool.free(p)
+        return t
+    t64, t32 = recorded(64), recorded(32)
+    free = mm.StepModel.build(t64, t32)
+    bounded = mm.StepModel.build(t64, t32, epoch=(n, per))
+    for b in (64, 300, 400):  # two batches fit in the epoch: no bound
+        assert bounded.need(b)["peak_account"] == free.need(b)["peak_account"], b
+    for b in (600, 900):  # one batch at most
+        want = free.need(b)["peak_account"] - b * per
+        assert bounded.need(b)["peak_account"] == want, b
+    # The bound can only lower the need, and the model without an epoch is unchanged.
+    assert bounded.largest_fitting(800 * MiB) >= free.largest_fitting(800 * MiB)
+    saved = mm.StepModel.from_dict(json.loads(json.dumps(bounded.to_dict())))
+    assert saved.need(900)["peak_account"] == bounded.need(900)["peak_account"]
