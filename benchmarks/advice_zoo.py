@@ -8,10 +8,12 @@ For each model, under its budget (zoo.BUDGETS):
 - after an OOM: a fit() at 1.6x the limit runs out; the suggestion in its explained error,
   and whether a retry at it in the same process trains two epochs;
 - find_batch_size (4 steps), and whether its answer trains two epochs.
-Prints a table and writes benchmarks/results/advice_zoo.json. Slow (about an hour and a
-half on 2 cores): every row is dozens of fresh processes.
+Prints a table and writes benchmarks/results/advice_zoo.json. Slow (about 40 minutes on 2
+cores): every row is a dozen fresh processes or more; with --limits (the limits of an
+earlier run, which do not depend on the advice) five per row.
 
     python benchmarks/advice_zoo.py [--models resnet,gru] [--out benchmarks/results/advice_zoo.json]
+                                    [--limits benchmarks/results/advice_zoo.json]
 """
 import argparse
 import json
@@ -138,12 +140,16 @@ class Trials:
         return lo
 
 
-def evaluate(name, budget):
+def evaluate(name, budget, known=None):
+    """The row of model `name`; `known`: its limit from an earlier run (no bisection)."""
     t0 = time.time()
     trials = Trials(name, budget)
-    probe = run(FIT.format(name=name, budget=budget, batch=32))
-    guess = probe.get("suggested") or 64
-    limit = trials.limit(guess)
+    if known:
+        limit = known
+    else:
+        probe = run(FIT.format(name=name, budget=budget, batch=32))
+        guess = probe.get("suggested") or 64
+        limit = trials.limit(guess)
     half = max(1, limit // 2)
     advised = run(FIT.format(name=name, budget=budget, batch=half))
     suggested = advised.get("suggested") if advised["fits"] else None
@@ -160,6 +166,8 @@ def evaluate(name, budget):
         "find_batch_size": find["size"], "find_over_limit": round(find["size"] / limit, 3),
         "find_trained": find["trained"], "fit_runs": trials.runs, "seconds": round(time.time() - t0, 1),
     }
+    if known:
+        row["limit_from"] = "an earlier run's bisection (--limits)"
     return row
 
 
@@ -187,10 +195,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(BUDGETS), help="comma-separated zoo names. Defaults to all.")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "advice_zoo.json"))
+    ap.add_argument("--limits", default=None,
+                    help="a JSON written by this script: take each model's limit from it instead of bisecting "
+                         "(the limit depends on the model and the pool, not on the advice)")
     args = ap.parse_args(argv)
+    known = {}
+    if args.limits:
+        with open(args.limits) as f:
+            known = {r["model"]: r["limit"] for r in json.load(f)["rows"]}
     rows = []
     for name in args.models.split(","):
-        row = evaluate(name, BUDGETS[name])
+        row = evaluate(name, BUDGETS[name], known.get(name))
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:
