@@ -331,7 +331,7 @@ class StepModel:
                     complete=bool(template.complete), samples=int(epoch[0]) if epoch else 0,
                     batch_bytes_per_sample=float(epoch[1]) if epoch else 0.0)
         if epoch:
-            model.prepared_per_sample = _prepared_peak(model) / float(template.batch_size)
+            model.prepared_per_sample = _prepared_total(model) / float(template.batch_size)
         peak = template.observed_peak if observed_peak is None else observed_peak
         if peak:
             replayed = model.need(template.batch_size)["peak_account"]
@@ -493,7 +493,7 @@ def _prepared(model):
     return start, made
 
 
-def _prepared_peak(model):
+def _prepared_total(model):
     """The bytes of tf.data's batches in `model`'s step at its recorded batch size: those
     live at its start and those it prepares (_prepared), all live at its end."""
     b = float(model.base_batch)

@@ -5,7 +5,7 @@
 // pthread_mutex_unlock, which check the mutex's type, elision and owner before the atomic
 // operation: 53 instructions per allocate/free pair on churn_2000 (callgrind), 9% of the
 // pool's instructions there, where the lock is nearly never contended (benchmarks/NOTES.md,
-// "The pool's own lock").
+// "Fewer instructions and cache lines per call").
 //
 // The algorithm is the three-state futex mutex of U. Drepper, "Futexes Are Tricky"
 // (2011), mutex #3: 0 free, 1 held, 2 held with (possible) waiters. A contended lock
@@ -53,7 +53,9 @@ class pool_lock {
   }
 
  private:
-  // Spins before sleeping: a few hundred pauses is about the length of one allocate.
+  // Spins before sleeping: 200 pauses are a few microseconds, longer than the pool's
+  // critical sections (tens to hundreds of nanoseconds) and about what a sleep and a
+  // wake in the kernel cost, so a waiter sleeps only when the holder was descheduled.
   static constexpr int kSpins = 200;
 
   __attribute__((noinline)) void lock_contended(int c) {
