@@ -253,8 +253,7 @@ def main(argv=None):
         layouts = ("plain", "on_demand_64k", "on_demand_2m")
         print(f"\nmin budget / peak live on seeds {seeds} (100,000 operations), mean / worst:")
         print(f"{'trace':<12} " + " ".join(f"{n:>17}" for n in layouts))
-        for name, n, hi in (("churn_100", 100, 8 * tr.MiB), ("churn_2000", 2000, 8 * tr.MiB),
-                            ("churn_10000", 10000, 1 * tr.MiB)):
+        for name, n, hi in tr.CHURN_KINDS:
             traces = [tr.churn(name, n, 256, hi, seed=seed, ops=100_000) for seed in seeds]
             other_seeds[name] = {}
             for layout in layouts:

@@ -82,6 +82,10 @@ def churn(name, max_live, lo, hi, ops=200_000, seed=0):
     return Trace(name, sizes, slots, is_free, max_live, peak, desc)
 
 
+# The churn kinds of standard_traces(): (name, most blocks live, largest size).
+CHURN_KINDS = (("churn_100", 100, 8 * MiB), ("churn_2000", 2000, 8 * MiB), ("churn_10000", 10000, 1 * MiB))
+
+
 def standard_traces():
     """The traces of benchmarks/alloc_latency.py (and the GPU proof)."""
     return [

@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -264,9 +265,64 @@ bool cnmem_completes(const trace& t, uint64_t budget) {
 
 }  // namespace
 
+// `gpu_proof TRACE_DIR OUT.json seeds`: only the smallest budgets of the churn traces
+// listed in TRACE_DIR/seeds.txt (dump_traces.py --seeds: the same kinds made with other
+// seeds), the pool's and CNMeM's, and their mean and worst per kind. A trace is one draw
+// of the random churn: on the host the pool's smallest budget moves by up to 4% from seed
+// to seed (results/alloc_latency.json, other_seeds), as much as the pool and CNMeM differ.
+int seeds_main(const std::string& dir, const char* out) {
+  std::ifstream list(dir + "/seeds.txt");
+  std::string name;
+  std::map<std::string, std::vector<std::pair<double, double>>> by_kind;
+  std::printf("%-20s %12s %12s\n", "trace", "pool", "CNMeM");
+  while (list >> name) {
+    trace t;
+    if (!load_trace(dir, name, &t)) {
+      std::fprintf(stderr, "missing trace %s\n", name.c_str());
+      return 2;
+    }
+    const double mb = min_budget_over_peak(t, pool_completes);
+#ifdef TFMG_WITH_CNMEM
+    const double cmb = min_budget_over_peak(t, cnmem_completes);
+#else
+    const double cmb = 0.0;
+#endif
+    std::printf("%-20s %12.4f %12.4f\n", name.c_str(), mb, cmb);
+    std::fflush(stdout);
+    by_kind[name.substr(0, name.rfind("_s"))].emplace_back(mb, cmb);
+  }
+  std::ostringstream js;
+  js << "{\n  \"seeds\": {";
+  bool first = true;
+  std::printf("\n%-12s %22s %22s\n", "kind", "pool mean / worst", "CNMeM mean / worst");
+  for (const auto& [kind, v] : by_kind) {
+    double ps = 0, cs = 0, pw = 0, cw = 0;
+    js << (first ? "\n" : ",\n") << "    \"" << kind << "\": {\"pool\": [";
+    for (size_t i = 0; i < v.size(); ++i) js << (i ? ", " : "") << v[i].first;
+    js << "], \"cnmem\": [";
+    for (size_t i = 0; i < v.size(); ++i) js << (i ? ", " : "") << v[i].second;
+    for (const auto& [p, c] : v) {
+      ps += p, cs += c, pw = std::max(pw, p), cw = std::max(cw, c);
+    }
+    const double n = double(v.size());
+    js << "], \"pool_mean\": " << ps / n << ", \"cnmem_mean\": " << cs / n << ", \"pool_worst\": " << pw
+       << ", \"cnmem_worst\": " << cw << "}";
+    std::printf("%-12s %13.4f / %.4f %13.4f / %.4f\n", kind.c_str(), ps / n, pw, cs / n, cw);
+    first = false;
+  }
+  js << "\n  }\n}\n";
+  std::ofstream(out) << js.str();
+  std::printf("wrote %s\n", out);
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc == 4 && std::strcmp(argv[3], "seeds") == 0) {
+    CUDA_OK(cudaSetDevice(0));
+    return seeds_main(argv[1], argv[2]);
+  }
   if (argc != 3) {
-    std::fprintf(stderr, "usage: gpu_proof TRACE_DIR OUT.json\n");
+    std::fprintf(stderr, "usage: gpu_proof TRACE_DIR OUT.json [seeds]\n");
     return 2;
   }
   const std::string dir = argv[1];

@@ -5,7 +5,9 @@
 #   2. builds benchmarks/gpu/gpu_proof.cu against the core and runs it on the traces of
 #      benchmarks/alloc_latency.py; the JSON lands in $OUT (then benchmarks/results/gpu_h200.json).
 # Run from the repository root:  bash benchmarks/gpu/run_h200.sh
-# (TFMG_SKIP_PYTHON=1 skips step 1's Python build and check, for a run of the proof alone.)
+# (TFMG_SKIP_PYTHON=1 skips step 1's Python build and check, for a run of the proof alone.
+#  TFMG_SEEDS=1,2,...: then also the smallest budgets, the pool's and CNMeM's, of the churn
+#  kinds made with those seeds: $OUT/gpu_h200_seeds.json.)
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT" /tmp/tfmg_build /tmp/tfmg_traces
@@ -36,7 +38,7 @@ PY
 fi
 
 echo "== gpu_proof"
-python3 benchmarks/gpu/dump_traces.py /tmp/tfmg_traces >/dev/null
+python3 benchmarks/gpu/dump_traces.py /tmp/tfmg_traces ${TFMG_SEEDS:+--seeds "$TFMG_SEEDS"} >/dev/null
 # CNMeM beside the pool when a snapshot of NVIDIA/cnmem is carried in .cnmem/ (cnmem.h,
 # cnmem.cpp; never committed): its cudaMemPrefetchAsync call takes CUDA 13's form
 # (a cudaMemLocation and flags) in a copy made here.
@@ -50,3 +52,7 @@ fi
 nvcc -O2 -std=c++17 -arch=sm_90 -I. "${CNMEM[@]}" -x cu benchmarks/gpu/gpu_proof.cu -L/tmp/tfmg_build -ltfmg_core \
   -Xlinker -rpath,/tmp/tfmg_build -lpthread -o /tmp/gpu_proof
 /tmp/gpu_proof /tmp/tfmg_traces "$OUT/gpu_h200_raw.json" | tee "$OUT/gpu_proof.txt"
+if [ -n "${TFMG_SEEDS:-}" ]; then
+  echo "== smallest budgets on seeds $TFMG_SEEDS"
+  /tmp/gpu_proof /tmp/tfmg_traces "$OUT/gpu_h200_seeds.json" seeds | tee "$OUT/gpu_proof_seeds.txt"
+fi
