@@ -261,6 +261,9 @@ class StepModel:
     base_batch: int           # the batch size the events were recorded at
     layout: dict
     spread_bytes: int = 0     # kept free: how much higher fit()'s steps peaked
+    # How far the kernels' order moved the peak of fit()'s steps at base_batch: the largest
+    # range of peaks among steps that began and ended alike (see spread()); 0: not measured.
+    order_bytes: int = 0
     complete: bool = True
     # The epoch's samples and the bytes per sample of one of its batches (Keras' pipeline
     # over arrays), when the prepared batches at a step's start are bounded by the epoch
@@ -271,7 +274,7 @@ class StepModel:
 
     @classmethod
     def build(cls, template, other=None, start=None, observed_peak=None, first=False, extra_start=None,
-              epoch=None):
+              epoch=None, order_bytes=0):
         """The model of `template`'s step (complete), its untagged blocks' slopes from
         `other`, starting from `start`'s live blocks (default: template's own) and
         `extra_start` ((sizes, flags) of more blocks live then, recorded at start's batch
@@ -281,7 +284,8 @@ class StepModel:
         constants and copies, tf.data's set-up) are taken as fixed, where a steady step's
         would be bounded (the batch-shaped ones among them are made by kernels, tagged).
         `epoch`: (samples, bytes per sample of a batch) of the epochs fit() runs over arrays,
-        or None (see _ops)."""
+        or None (see _ops). `order_bytes`: the range of step peaks the kernels' order made
+        at the recorded size (see spread())."""
         start = start or template
         fixed_kinds = [KINDS.index(k) for k in ("constant", "copy", "tensor", "raw", "data", "input")] if first else ()
         weights = start.start_size[(start.start_flags & _BATCH) == 0]
@@ -328,7 +332,8 @@ class StepModel:
                     ev_flags=np.array(ev_flags, dtype=np.uint32), ev_fixed_lo=np.array(ev_flo),
                     ev_lo=np.array(ev_lo), ev_fixed_hi=np.array(ev_fhi), ev_hi=np.array(ev_hi), nslots=nslots,
                     base_batch=int(template.batch_size), layout=dict(template.layout),
-                    complete=bool(template.complete), samples=int(epoch[0]) if epoch else 0,
+                    complete=bool(template.complete), order_bytes=int(max(0, order_bytes)),
+                    samples=int(epoch[0]) if epoch else 0,
                     batch_bytes_per_sample=float(epoch[1]) if epoch else 0.0)
         if epoch:
             model.prepared_per_sample = _prepared_total(model) / float(template.batch_size)
@@ -376,10 +381,23 @@ class StepModel:
         return sizes, slots, flags.astype(np.uint32), self.nslots
 
     def spread(self, batch_size):
-        """Bytes kept free at `batch_size` for what other steps of the run showed beyond
-        the template (the template is the step that peaked highest of those recorded:
-        what its blocks hold scales with them)."""
-        return int(self.spread_bytes)
+        """Bytes kept free at `batch_size` for the peaks of orders the template did not
+        show: what other steps of the run peaked above the template's replay
+        (`spread_bytes`), and above that the range the kernels' order made at the recorded
+        size (`order_bytes`), scaled to `batch_size` above it.
+
+        The template is the highest step recorded, but a run at another size, in another
+        process, draws the order in which TensorFlow's threads run the kernels anew: the
+        zoo's ResNet at 300 peaked at 404.5 MiB in two processes and at 380.5 in a third,
+        and three runs at 150 whose highest steps peaked at 223.4, 228.6 and 223.3 named
+        296, 294 and 305 (301 trains). So an order that peaks one range above the highest
+        met is taken as possible. The range is measured among steps that began with the
+        same bytes in use and ended with the same batch-shaped bytes (their prepared
+        batches alike), so that it is the order's alone; its blocks are the step's, each at
+        most proportional to the batch, so above the recorded size it scales with it, and
+        below it is kept whole (a fixed block's order moves it as much)."""
+        scale = max(1.0, float(batch_size) / max(self.base_batch, 1))
+        return int(self.spread_bytes + self.order_bytes * scale)
 
     def optimistic(self):
         """The same model with the other bound for blocks known only to lie between fixed
@@ -552,6 +570,9 @@ class StepModels:
     @property
     def spread_bytes(self):
         return max(m.spread_bytes for m in self.models)
+
+    def spread(self, batch_size):
+        return max(m.spread(batch_size) for m in self._for(batch_size))
 
     def fits(self, batch_size, budget):
         return all(m.fits(batch_size, budget) for m in self._for(batch_size))

@@ -20,12 +20,12 @@ In a run of fit() at batch size b0 (see MemGuardCallback):
   the sizes that do not divide them (another trace, an unknown batch dimension).
 After an out-of-memory error: the failed step up to its refusal (the first step of the
 retry must fit too), and, once the failed fit()'s data is out of the pool, short fit()
-runs of its own on all the samples at smaller sizes (down by DESCENT to one that
-completes, then at most ASCENT_RUNS up).
+runs of its own on all the samples at smaller sizes (down to one that completes, then
+up: _after_oom).
 """
 import warnings
 
-from tf_memguard import _backend, _core, _recording
+from tf_memguard import _after_oom, _backend, _core, _recording
 from tf_memguard._memory_model import StepModel, StepModels
 
 # The smallest partial last batch used as the second size, as a share of b0: below that,
@@ -43,16 +43,6 @@ NESTED_BATCHES = 8
 # Short fit() runs of its own per run for the second size (after an OOM: DESCENT and
 # ASCENT_RUNS).
 MAX_NESTED_RUNS = 4
-# After an OOM at b0 the runs go down from b0 // 2 by this factor until one completes:
-# each refused one costs a step up to its refusal, and the largest that completes is then
-# within this factor of the limit, close enough for the model of its step to say where the
-# limit is (from a batch of 1, the old last resort below b0 // 8, EfficientNetB0's model
-# named 9 where 32 trained).
-DESCENT = 4
-# Runs after an OOM that go up from the size that completed, the model's size then halfway.
-ASCENT_RUNS = 3
-
-
 class StepSampler:
     """Records the steps of one fit() run and makes the StepModel of its training step."""
 
@@ -90,6 +80,10 @@ class StepSampler:
         self.cap = 1 << 62        # the largest the advice may name (model_after_oom)
         self.after_oom = []       # the sizes of the short fit() runs after an OOM that completed
         self.prepared = 0         # the most batch-tagged bytes live at a step's start at b0
+        # The peaks of the full steps at b0, by (bytes in use at the step's start,
+        # batch-tagged bytes at its end): steps alike but for their kernels' order.
+        self._alike = {}
+        self._began = 0
 
     # -- fit()'s hooks -----------------------------------------------------------------
 
@@ -117,7 +111,9 @@ class StepSampler:
             # What tf.data has prepared ahead (batch-tagged bytes live as a step begins at
             # b0): its autotuned buffers fill as they can, so the template may have met
             # fewer prepared batches than the pipeline holds at other steps.
-            self.prepared = max(self.prepared, int(self.pool.stats()["batch_bytes_in_use"]))
+            s = self.pool.stats()
+            self.prepared = max(self.prepared, int(s["batch_bytes_in_use"]))
+            self._began = int(s["bytes_in_use"])
         size = self.partial if which == "other" else self.b0
         self._profile(size)
         self._recording = which
@@ -128,7 +124,9 @@ class StepSampler:
             return
         which, self._recording = self._recording, None
         if which == "template":
-            peak = self.pool.stats()["window_peak_bytes_in_use"]
+            s = self.pool.stats()
+            peak = s["window_peak_bytes_in_use"]
+            self._alike.setdefault((self._began, int(s["batch_bytes_in_use"])), []).append(int(peak))
             if peak <= self.template_peak:
                 self.recorder.abort()
                 return
@@ -153,7 +151,7 @@ class StepSampler:
         self._profile(0)
         self.recorder.abort()
         if epoch == 0 and (self.template or self.first) is not None and self.other is None and self.b0 > 1:
-            self.lone = self._nested(model, max(1, self.b0 // 2))
+            self.lone = self.short_fit(model, max(1, self.b0 // 2))
             self.other = self.lone if self.lone is not None and self.lone.complete else None
             self._model = None
 
@@ -180,7 +178,7 @@ class StepSampler:
         if self.tf:
             _core.set_profile_batch(size)
 
-    def _nested(self, model, size, all_samples=False):
+    def short_fit(self, model, size, all_samples=False):
         """A short fit() of its own at `size` (its second step recorded). By default on
         enough of the first samples for its pipeline to fill (NESTED_BATCHES batches and
         one sample more, so that the last batch is partial and the step runs the trace for
@@ -211,11 +209,13 @@ class StepSampler:
         """The StepModel from the steps recorded (None before a complete step), with the
         spread from `observed_peak` (the highest step peak fit() showed at b0)."""
         if self._model is None and (self.template is not None or self.first is not None):
+            order = self.order_bytes()
             steady = StepModel.build(self.template, self.other, observed_peak=observed_peak or None,
-                                     extra_start=self._unmet_prepared(self.template), epoch=self.epoch) \
+                                     extra_start=self._unmet_prepared(self.template), epoch=self.epoch,
+                                     order_bytes=order) \
                 if self.template is not None else None
             # (Not the first step's: a run's first step meets the pipeline as it starts.)
-            first = StepModel.build(self.first, self.other, first=True, epoch=self.epoch) \
+            first = StepModel.build(self.first, self.other, first=True, epoch=self.epoch, order_bytes=order) \
                 if self.first is not None else None
             domain = "static" if self.static else "all"
             models, domains = [steady, first], [domain, domain]
@@ -223,10 +223,35 @@ class StepSampler:
             if self.static and self.lone is not None and self.lone.complete:
                 # The other trace: the short fit()'s step, for the sizes that do not divide
                 # the samples.
-                models.append(StepModel.build(self.lone, start, epoch=self.epoch))
+                models.append(StepModel.build(self.lone, start, epoch=self.epoch, order_bytes=order))
                 domains.append("dynamic")
             self._model = StepModels(models, domains, samples=self.n if self.tf else None)
         return self._model
+
+    def order_bytes(self):
+        """How far above the highest step peak at b0 an order of the kernels not met could
+        peak, from the full steps that began with the same bytes in use and ended with the
+        same batch-shaped bytes (the same blocks live, the same batches prepared: what is
+        left to differ is which blocks the threads' order had live at once). Where the
+        highest peak of such steps recurs, the orders' top has been met, and the template
+        (the highest step) holds it: 0. Where it was met once, the top of the orders has
+        not been sampled, and the next order up is taken to lie as far above it as it lies
+        above the next peak down. Peaks within a granule of the pool's backing (64 KiB on
+        the host) count as one: a step that took one more granule is the same order. On the zoo's ResNet at 150, steps alike peaked at 216.7, 219.4 and, once,
+        223.3 MiB, and the model of the 223.3 step named 305 where 301 trains (another
+        process's steps peaked at 228.6); on its wide MLP, the highest peak of alike steps
+        (47.4 of 50 MiB) came in a quarter of them, and the answer needs no more room."""
+        same = max(int(self.pool.layout().get("page_bytes", 0) or 0), 1)
+        gap = 0
+        for peaks in self._alike.values():
+            p = sorted(peaks)
+            if len(p) < 3:
+                continue
+            top = p[-1]
+            below = [v for v in p if v < top - same]
+            if below and len(p) - len(below) == 1:
+                gap = max(gap, top - below[-1])
+        return gap
 
     def _unmet_prepared(self, trace):
         """The batches prepared ahead that other steps at b0 met and `trace` did not (see
@@ -238,7 +263,7 @@ class StepSampler:
             return None
         return _recording.unmet_prepared(trace, self.prepared)
 
-    def _copy_sizes(self):
+    def copy_sizes(self):
         """The blocks of Keras' copy of the arrays, on TensorFlow (one per array)."""
         import keras
         if not self.tf or self.x is None:
@@ -263,8 +288,9 @@ class StepSampler:
                                                              if self.too_large < self.b0 else "")
         sizes = [t.batch_size for t in (self.template or self.first, self.other) if t is not None]
         what = "the memory model of steps at " + " and ".join(str(b) for b in sizes)
-        return what + (f" (kept free for other steps' peaks: {self._model.spread_bytes >> 20} MiB)"
-                       if self._model is not None and self._model.spread_bytes >= 1 << 20 else "")
+        kept = self._model.spread(self.b0) if self._model is not None else 0
+        return what + (f" (kept free at {self.b0} for orders of the kernels not met: {kept >> 20} MiB, "
+                       "more at larger sizes)" if kept >= 1 << 20 else "")
 
     def after_oom_needs_steps(self):
         """True when the advice after the refused step needs steps of its own (array data,
@@ -272,124 +298,15 @@ class StepSampler:
         recorded steps' model."""
         return self.x is not None and self.prefix is not None and self.template is None
 
+    def use_model(self, model):
+        """Makes `model` (StepModels) the one model() returns from now on; returns it."""
+        self._model = model
+        return model
+
     def model_after_oom(self, model):
-        """After a refused step: the StepModel, from short fit() runs of its own on all the
-        samples at smaller sizes, run once the failed fit()'s data is out of the pool (its
-        exception released): at b0 // 2, then down by DESCENT until one completes, then at the
-        size the model of the step that completed says fits, each completed step becoming
-        the model's new template. A run that is refused there shows the model wrong near
-        that size: the next is halfway between the largest size that completed and it. The
-        advice names the largest size that completed (advice_cap). The failed
-        step up to its refusal is the retry's first step, and must fit too. None when no
-        complete step could be had."""
-        if not self.after_oom_needs_steps():
-            return self.model()
-        budget = self.pool.stats()["bytes_limit"]
-        copies = self._copy_sizes()
-        room = budget - sum(copies)
-
-        def has_copy(trace):
-            bare = _recording.without_blocks(trace, copies, kind="input")
-            return len(bare.start_size) == len(trace.start_size) - len(copies)
-
-        # Keras' copy of the arrays is in the pool in some short fit() runs and not in
-        # others (benchmarks/NOTES.md, "Keras' copy of the arrays comes and goes"); a line
-        # through a step with it and one without would make it shrink with the batch.
-        # Once a step without it is met, the models take every step without it and leave
-        # room for it; while every step has it, they take the steps as they ran (the copy
-        # where it lay: on the two-input model, room instead named 446, which ran out).
-        without = [bool(copies) and self.prefix is not None and not has_copy(self.prefix)]
-
-        def plain(trace):
-            return _recording.without_blocks(trace, copies, kind="input") if without[0] else trace
-
-        def limit():
-            return room if without[0] else budget
-
-        # What tf.data had prepared ahead, per sample: the most the failed fit()'s steps
-        # and the short runs' steps met (a short run's second step can begin with none of
-        # the batches a long run's steps begin with).
-        per_sample = [self.prepared / self.b0, _recording.prepared_bytes(self.prefix) / self.b0]
-
-        def unmet(trace):
-            return _recording.unmet_prepared(trace, max(per_sample) * trace.batch_size)
-
-        def build(template, other=None):
-            return StepModel.build(plain(template), plain(other) if other is not None else None,
-                                   extra_start=unmet(template), epoch=self.epoch)
-
-        def ran(trace):
-            # A short run that completed proves its size for a retry that copies the
-            # arrays only if it had the copy, or if its step fits with room for it (under
-            # 24 MiB, the README's CNN completed a batch of 1 without its 12 MiB copy,
-            # where with it nothing fits); and for a retry whose steps meet tf.data's
-            # prepared batches only if it met them too, or fits with them.
-            if trace is None or not trace.complete:
-                return False
-            per_sample.append(_recording.prepared_bytes(trace) / trace.batch_size)
-            if copies and not has_copy(trace):
-                without[0] = True
-            elif unmet(trace) is None:
-                return True
-            return build(trace).fits(trace.batch_size, limit())
-
-        good = None
-        sizes, size = [], self.b0 // 2
-        while size > 1:
-            sizes.append(size)
-            size //= DESCENT
-        for size in sizes + [1]:
-            if size >= self.too_large:
-                continue
-            good = self._nested(model, size, all_samples=True)
-            if ran(good):
-                self.after_oom.append(size)
-                break
-            self.too_large = min(self.too_large, size)
-            good = None
-        if good is None:
-            # Not even a batch of 1 ran: none fits (advice_cap is 0), and the failed step
-            # says what a batch of 1 would need at least.
-            self._model = StepModels([StepModel.build(self.prefix, None, first=True, epoch=self.epoch)])
-            return self._model if self.too_large == 1 else None
-
-        def with_failed(model):
-            # The failed step up to its refusal, its blocks lined up with a complete step's
-            # (without that second size, on PyTorch, whose blocks carry no batch tag, none
-            # of them would shrink with the batch): the retry's first step must fit too.
-            # Unless a short run shows it wrong: its first step, which traced the step as
-            # the retry's will, completed at a size this model says does not fit. The
-            # failed step can have built what the retry finds built (the zoo's embedding
-            # model: Adam's two slots of its 12 MiB table, and their initial values, made
-            # while 71 MiB of 76 were in use); by it, no size above 300 fitted, where a
-            # short run at 658 completed and 823 trained.
-            f = StepModel.build(plain(self.prefix), plain(good), first=True, epoch=self.epoch)
-            return StepModels([model, f] if f.fits(good.batch_size, limit()) else [model])
-        # One size only: every block that is not batch-shaped is taken as proportional above
-        # it, which can only overstate the need; the next size corrects it.
-        current = with_failed(build(good))
-        refused = False
-        for _ in range(ASCENT_RUNS):
-            if refused:
-                size = (good.batch_size + self.too_large) // 2
-            else:
-                size = min(current.largest_fitting(limit(), at_most=self.n), self.too_large - 1)
-            if size <= good.batch_size:
-                break
-            trace = self._nested(model, size, all_samples=True)
-            if ran(trace):
-                lower, good = good, trace
-                current = with_failed(build(good, lower))
-                self.after_oom.append(size)
-            else:
-                self.too_large = min(self.too_large, size)
-                refused = True
-        # The answer is a size that ran: the model picks where to look, the runs decide.
-        # Extrapolated answers ran out in retries near the limit (the zoo's autoencoder:
-        # 1233 after its runs, in CI), where peaks move from run to run.
-        self.cap = good.batch_size
-        self._model = current
-        return current
+        """After a refused step: the StepModel from short fit() runs of its own (see
+        _after_oom.model_after_oom), or None when no complete step could be had."""
+        return _after_oom.model_after_oom(self, model)
 
     def advice_floor(self):
         """The smallest batch size the advice may name after an OOM: the largest whose

@@ -181,3 +181,29 @@ def test_batches_prepared_ahead_are_bounded_by_the_epoch():
     assert bounded.largest_fitting(800 * MiB) >= free.largest_fitting(800 * MiB)
     saved = mm.StepModel.from_dict(json.loads(json.dumps(bounded.to_dict())))
     assert saved.need(900)["peak_account"] == bounded.need(900)["peak_account"]
+
+
+def test_an_order_met_once_at_the_top_is_kept_free_above_it_and_scales_with_the_batch():
+    # Steps alike (same bytes at their start, same batches prepared at their end) that
+    # peaked at 216.7, 219.4 (twice) and, once, 223.3 MiB: an order above the highest is
+    # taken to lie as far above it as it lies above the next (3.9 MiB). Where the top
+    # recurs, it has been met and the template holds it: nothing more.
+    from tf_memguard._steps import StepSampler
+    pool = make_pool()
+    sampler = StepSampler(pool, 150)
+    mb = lambda v: int(v * MiB)  # noqa: E731
+    sampler._alike = {(1, 2): [mb(216.7), mb(219.4), mb(223.3), mb(219.4)], (5, 6): [mb(40), mb(40)]}
+    assert abs(sampler.order_bytes() - mb(3.9)) <= 1
+    sampler._alike = {(1, 2): [mb(216.7), mb(223.3), mb(219.4), mb(223.3)]}
+    assert sampler.order_bytes() == 0
+    # Peaks within one backing granule (64 KiB here) are one order's.
+    sampler._alike = {(1, 2): [mb(216.7), mb(223.3), mb(223.3) - 1000, mb(219.4)]}
+    assert sampler.order_bytes() == 0
+
+    m = mm.StepModel.build(record(pool, 8), record(pool, 4), order_bytes=2 * MiB)
+    assert m.spread(8) == 2 * MiB and m.spread(4) == 2 * MiB and m.spread(16) == 4 * MiB
+    plain = mm.StepModel.build(record(pool, 8), record(pool, 4))
+    budget = 64 * MiB
+    assert m.largest_fitting(budget) < plain.largest_fitting(budget)
+    # Saved and loaded, the model keeps it.
+    assert mm.StepModel.from_dict(json.loads(json.dumps(m.to_dict()))).spread(16) == 4 * MiB

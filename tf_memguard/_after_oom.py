@@ -1,0 +1,139 @@
+"""After an out-of-memory error: the memory model from short fit() runs of the run's own.
+
+The failed fit() recorded its step up to the refusal (the retry's first step must fit
+too) and, when it was the run's first size, no complete step. Once the failed fit()'s
+data is out of the pool (its exception released), short fit() runs on all the samples at
+smaller sizes make the model: down from half the failed size until one completes, then up
+where the model says the limit is. The answer is the largest size whose run completed:
+the model picks where to look, the runs decide.
+"""
+from tf_memguard import _recording
+from tf_memguard._memory_model import StepModel, StepModels
+
+# After an OOM at b0 the runs go down from b0 // 2 by this factor until one completes:
+# each refused one costs a step up to its refusal, and the largest that completes is then
+# within this factor of the limit, close enough for the model of its step to say where the
+# limit is (from a batch of 1, the old last resort below b0 // 8, EfficientNetB0's model
+# named 9 where 32 trained).
+DESCENT = 4
+# Runs after an OOM that go up from the size that completed, the model's size then halfway.
+ASCENT_RUNS = 3
+
+
+def model_after_oom(sampler, model):
+    """After a refused step: `sampler`'s StepModel (a StepSampler's), from short fit()
+    runs of its own on all the samples at smaller sizes, run once the failed fit()'s data is out of the pool (its
+    exception released): at b0 // 2, then down by DESCENT until one completes, then at the
+    size the model of the step that completed says fits, each completed step becoming
+    the model's new template. A run that is refused there shows the model wrong near
+    that size: the next is halfway between the largest size that completed and it. The
+    advice names the largest size that completed (advice_cap). The failed
+    step up to its refusal is the retry's first step, and must fit too. None when no
+    complete step could be had."""
+    if not sampler.after_oom_needs_steps():
+        return sampler.model()
+    budget = sampler.pool.stats()["bytes_limit"]
+    copies = sampler.copy_sizes()
+    room = budget - sum(copies)
+
+    def has_copy(trace):
+        bare = _recording.without_blocks(trace, copies, kind="input")
+        return len(bare.start_size) == len(trace.start_size) - len(copies)
+
+    # Keras' copy of the arrays is in the pool in some short fit() runs and not in
+    # others (benchmarks/NOTES.md, "Keras' copy of the arrays comes and goes"); a line
+    # through a step with it and one without would make it shrink with the batch.
+    # Once a step without it is met, the models take every step without it and leave
+    # room for it; while every step has it, they take the steps as they ran (the copy
+    # where it lay: on the two-input model, room instead named 446, which ran out).
+    without = [bool(copies) and sampler.prefix is not None and not has_copy(sampler.prefix)]
+
+    def plain(trace):
+        return _recording.without_blocks(trace, copies, kind="input") if without[0] else trace
+
+    def limit():
+        return room if without[0] else budget
+
+    # What tf.data had prepared ahead, per sample: the most the failed fit()'s steps
+    # and the short runs' steps met (a short run's second step can begin with none of
+    # the batches a long run's steps begin with).
+    per_sample = [sampler.prepared / sampler.b0, _recording.prepared_bytes(sampler.prefix) / sampler.b0]
+
+    def unmet(trace):
+        return _recording.unmet_prepared(trace, max(per_sample) * trace.batch_size)
+
+    def build(template, other=None):
+        return StepModel.build(plain(template), plain(other) if other is not None else None,
+                               extra_start=unmet(template), epoch=sampler.epoch)
+
+    def ran(trace):
+        # A short run that completed proves its size for a retry that copies the
+        # arrays only if it had the copy, or if its step fits with room for it (under
+        # 24 MiB, the README's CNN completed a batch of 1 without its 12 MiB copy,
+        # where with it nothing fits); and for a retry whose steps meet tf.data's
+        # prepared batches only if it met them too, or fits with them.
+        if trace is None or not trace.complete:
+            return False
+        per_sample.append(_recording.prepared_bytes(trace) / trace.batch_size)
+        if copies and not has_copy(trace):
+            without[0] = True
+        elif unmet(trace) is None:
+            return True
+        return build(trace).fits(trace.batch_size, limit())
+
+    good = None
+    sizes, size = [], sampler.b0 // 2
+    while size > 1:
+        sizes.append(size)
+        size //= DESCENT
+    for size in sizes + [1]:
+        if size >= sampler.too_large:
+            continue
+        good = sampler.short_fit(model, size, all_samples=True)
+        if ran(good):
+            sampler.after_oom.append(size)
+            break
+        sampler.too_large = min(sampler.too_large, size)
+        good = None
+    if good is None:
+        # Not even a batch of 1 ran: none fits (advice_cap is 0), and the failed step
+        # says what a batch of 1 would need at least.
+        m = sampler.use_model(StepModels([StepModel.build(sampler.prefix, None, first=True, epoch=sampler.epoch)]))
+        return m if sampler.too_large == 1 else None
+
+    def with_failed(model):
+        # The failed step up to its refusal, its blocks lined up with a complete step's
+        # (without that second size, on PyTorch, whose blocks carry no batch tag, none
+        # of them would shrink with the batch): the retry's first step must fit too.
+        # Unless a short run shows it wrong: its first step, which traced the step as
+        # the retry's will, completed at a size this model says does not fit. The
+        # failed step can have built what the retry finds built (the zoo's embedding
+        # model: Adam's two slots of its 12 MiB table, and their initial values, made
+        # while 71 MiB of 76 were in use); by it, no size above 300 fitted, where a
+        # short run at 658 completed and 823 trained.
+        f = StepModel.build(plain(sampler.prefix), plain(good), first=True, epoch=sampler.epoch)
+        return StepModels([model, f] if f.fits(good.batch_size, limit()) else [model])
+    # One size only: every block that is not batch-shaped is taken as proportional above
+    # it, which can only overstate the need; the next size corrects it.
+    current = with_failed(build(good))
+    refused = False
+    for _ in range(ASCENT_RUNS):
+        if refused:
+            size = (good.batch_size + sampler.too_large) // 2
+        else:
+            size = min(current.largest_fitting(limit(), at_most=sampler.n), sampler.too_large - 1)
+        if size <= good.batch_size:
+            break
+        trace = sampler.short_fit(model, size, all_samples=True)
+        if ran(trace):
+            lower, good = good, trace
+            current = with_failed(build(good, lower))
+            sampler.after_oom.append(size)
+        else:
+            sampler.too_large = min(sampler.too_large, size)
+            refused = True
+    # The answer is a size that ran: the model picks where to look, the runs decide.
+    # Extrapolated answers ran out in retries near the limit (the zoo's autoencoder:
+    # 1233 after its runs, in CI), where peaks move from run to run.
+    sampler.cap = good.batch_size
+    return sampler.use_model(current)
