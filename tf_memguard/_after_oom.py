@@ -22,14 +22,14 @@ ASCENT_RUNS = 3
 
 def model_after_oom(sampler, model):
     """After a refused step: `sampler`'s StepModel (a StepSampler's), from short fit()
-    runs of its own on all the samples at smaller sizes, run once the failed fit()'s data is out of the pool (its
-    exception released): at b0 // 2, then down by DESCENT until one completes, then at the
-    size the model of the step that completed says fits, each completed step becoming
-    the model's new template. A run that is refused there shows the model wrong near
-    that size: the next is halfway between the largest size that completed and it. The
-    advice names the largest size that completed (advice_cap). The failed
-    step up to its refusal is the retry's first step, and must fit too. None when no
-    complete step could be had."""
+    runs of its own on all the samples at smaller sizes, run once the failed fit()'s data
+    is out of the pool (its exception released): at b0 // 2, then down by DESCENT until
+    one completes, then at the size the model of the step that completed says fits, each
+    completed step becoming the model's new template. A run that is refused there shows
+    the model wrong near that size: the next is halfway between the largest size that
+    completed and it. The advice names the largest size that completed (advice_cap). The
+    failed step up to its refusal is the retry's first step, and must fit too. None when
+    no complete step could be had."""
     if not sampler.after_oom_needs_steps():
         return sampler.model()
     budget = sampler.pool.stats()["bytes_limit"]

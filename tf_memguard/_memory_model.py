@@ -261,8 +261,8 @@ class StepModel:
     base_batch: int           # the batch size the events were recorded at
     layout: dict
     spread_bytes: int = 0     # kept free: how much higher fit()'s steps peaked
-    # How far the kernels' order moved the peak of fit()'s steps at base_batch: the largest
-    # range of peaks among steps that began and ended alike (see spread()); 0: not measured.
+    # How far above the highest step at base_batch an order of the kernels not met could
+    # peak (StepSampler.order_bytes; scaled in spread()); 0: none measured.
     order_bytes: int = 0
     complete: bool = True
     # The epoch's samples and the bytes per sample of one of its batches (Keras' pipeline
@@ -284,8 +284,8 @@ class StepModel:
         constants and copies, tf.data's set-up) are taken as fixed, where a steady step's
         would be bounded (the batch-shaped ones among them are made by kernels, tagged).
         `epoch`: (samples, bytes per sample of a batch) of the epochs fit() runs over arrays,
-        or None (see _ops). `order_bytes`: the range of step peaks the kernels' order made
-        at the recorded size (see spread())."""
+        or None (see _ops). `order_bytes`: how far above the template an order of the
+        kernels not met could peak at the recorded size (see spread())."""
         start = start or template
         fixed_kinds = [KINDS.index(k) for k in ("constant", "copy", "tensor", "raw", "data", "input")] if first else ()
         weights = start.start_size[(start.start_flags & _BATCH) == 0]
@@ -383,18 +383,16 @@ class StepModel:
     def spread(self, batch_size):
         """Bytes kept free at `batch_size` for the peaks of orders the template did not
         show: what other steps of the run peaked above the template's replay
-        (`spread_bytes`), and above that the range the kernels' order made at the recorded
-        size (`order_bytes`), scaled to `batch_size` above it.
+        (`spread_bytes`), and above that how far an order of the kernels not met could
+        peak above the highest met (`order_bytes`, StepSampler.order_bytes), scaled to
+        `batch_size` above the recorded size.
 
         The template is the highest step recorded, but a run at another size, in another
         process, draws the order in which TensorFlow's threads run the kernels anew: the
         zoo's ResNet at 300 peaked at 404.5 MiB in two processes and at 380.5 in a third,
         and three runs at 150 whose highest steps peaked at 223.4, 228.6 and 223.3 named
-        296, 294 and 305 (301 trains). So an order that peaks one range above the highest
-        met is taken as possible. The range is measured among steps that began with the
-        same bytes in use and ended with the same batch-shaped bytes (their prepared
-        batches alike), so that it is the order's alone; its blocks are the step's, each at
-        most proportional to the batch, so above the recorded size it scales with it, and
+        296, 294 and 305 (301 trains). The blocks an order moves are the step's, each at
+        most proportional to the batch: above the recorded size the gap scales with it,
         below it is kept whole (a fixed block's order moves it as much)."""
         scale = max(1.0, float(batch_size) / max(self.base_batch, 1))
         return int(self.spread_bytes + self.order_bytes * scale)

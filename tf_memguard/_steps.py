@@ -40,9 +40,11 @@ RECORDED_EPOCHS = 2
 # (with four, the README's CNN's step was recorded with fewer, and 237 was suggested
 # where 233 ran out; with eight, 223-229).
 NESTED_BATCHES = 8
-# Short fit() runs of its own per run for the second size (after an OOM: DESCENT and
-# ASCENT_RUNS).
+# Short fit() runs of its own per run for the second size (after an OOM, _after_oom's
+# DESCENT and ASCENT_RUNS bound them).
 MAX_NESTED_RUNS = 4
+
+
 class StepSampler:
     """Records the steps of one fit() run and makes the StepModel of its training step."""
 
@@ -237,10 +239,11 @@ class StepSampler:
         (the highest step) holds it: 0. Where it was met once, the top of the orders has
         not been sampled, and the next order up is taken to lie as far above it as it lies
         above the next peak down. Peaks within a granule of the pool's backing (64 KiB on
-        the host) count as one: a step that took one more granule is the same order. On the zoo's ResNet at 150, steps alike peaked at 216.7, 219.4 and, once,
-        223.3 MiB, and the model of the 223.3 step named 305 where 301 trains (another
-        process's steps peaked at 228.6); on its wide MLP, the highest peak of alike steps
-        (47.4 of 50 MiB) came in a quarter of them, and the answer needs no more room."""
+        the host) count as one: a step that took one more granule is the same order. On
+        the zoo's ResNet at 150, steps alike peaked at 216.7, 219.4 and, once, 223.3 MiB,
+        and the model of the 223.3 step named 305 where 301 trains (another process's
+        steps peaked at 228.6); on its wide MLP, the highest peak of alike steps (47.4 of
+        50 MiB) came in a quarter of them, and the answer needs no more room."""
         same = max(int(self.pool.layout().get("page_bytes", 0) or 0), 1)
         gap = 0
         for peaks in self._alike.values():
