@@ -141,7 +141,7 @@ def _match(template, other, fixed_kinds=(), fixed_sizes=()):
     (lo: its size) and proportional (hi: through the origin), unless its kind is one of
     `fixed_kinds` or its size one of `fixed_sizes` (then fixed: the sizes of blocks live at
     the step's start that do not scale, the weights and optimizer slots, of which gradients
-    and updates are copies)."""
+    and updates are copies; per size at most the weights' share, _weight_copies)."""
     idx = template.allocations()
     size = template.size[idx].astype(np.float64)
     flags = template.flags[idx]
@@ -212,11 +212,44 @@ def _match(template, other, fixed_kinds=(), fixed_sizes=()):
                 if fixed < 0:  # a line below the origin: proportional (never less)
                     fixed, slope = 0.0, size[i] / bt
                 line(i, fixed, slope)
-    known = set(float(v) for v in fixed_sizes)
-    for i in np.flatnonzero(~done & ~tagged):
-        if kinds[i] in fixed_kinds or size[i] in known:
+    rest = np.flatnonzero(~done & ~tagged)
+    for i in rest:
+        if kinds[i] in fixed_kinds:
             line(i, size[i], 0.0)
+    for i in _weight_copies(size, rest[~done[rest]], fixed_sizes):
+        line(i, size[i], 0.0)
     return fixed_lo, slope_lo, fixed_hi, slope_hi
+
+
+def _weight_copies(size, candidates, weight_sizes):
+    """Of the allocations `candidates` (indices into `size`, in the step's order), those
+    taken as copies of the weights (gradients, updates): of a size among `weight_sizes`
+    (the blocks live at the step's start that do not scale, with repeats), and per size at
+    most as many as the weights' own share allows. The optimizer makes the same copies of
+    every variable, so a size's allocations per start block are alike across the weights'
+    sizes; a size with more is also an activation's. On the H200, after an out-of-memory
+    error, a 16 MiB block live at a step's start (not a weight) had the size of 13 of the
+    step's activations at 32 (the weights' sizes: 2 per start block); taken as fixed, they
+    made the model of the step name 408 where 197 is the most that trains. The median of
+    the sizes' shares is that share (one coincidence cannot move it); the copies are the
+    last ones of their size (gradients and updates follow the forward pass)."""
+    if len(candidates) == 0 or len(weight_sizes) == 0:
+        return []
+    at_start = {}
+    for v in np.asarray(weight_sizes, dtype=np.float64).tolist():
+        at_start[v] = at_start.get(v, 0) + 1
+    by_size = {}
+    for i in candidates.tolist():
+        if size[i] in at_start:
+            by_size.setdefault(float(size[i]), []).append(i)
+    if not by_size:
+        return []
+    share = float(np.median([len(v) / at_start[s] for s, v in by_size.items()]))
+    out = []
+    for s, found in by_size.items():
+        allowed = int(np.ceil(share * at_start[s]))
+        out.extend(found[len(found) - allowed:] if allowed < len(found) else found)
+    return out
 
 
 def _ordered_pairs(template, other):
@@ -527,6 +560,17 @@ def _replay_upstream(layout):
 
 def _granule(layout):
     return int(layout.get("page_bytes", 0)) if layout.get("backs_on_demand", True) else 0
+
+
+def order_gap(peaks, same):
+    """The order gap of alike steps' `peaks` (StepSampler.order_bytes): at least three,
+    and the highest met once (peaks within `same` bytes count as one), how far it lies
+    above the next one down; else 0."""
+    p = sorted(int(v) for v in peaks)
+    if len(p) < 3:
+        return 0
+    below = [v for v in p if v < p[-1] - same]
+    return p[-1] - below[-1] if below and len(p) - len(below) == 1 else 0
 
 
 class StepModels:

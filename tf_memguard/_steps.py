@@ -26,7 +26,7 @@ up: _after_oom).
 import warnings
 
 from tf_memguard import _after_oom, _backend, _core, _recording
-from tf_memguard._memory_model import StepModel, StepModels
+from tf_memguard._memory_model import StepModel, StepModels, order_gap
 
 # The smallest partial last batch used as the second size, as a share of b0: below that,
 # block sizes are too near the granule (and TensorFlow's kernels pick other algorithms
@@ -245,16 +245,7 @@ class StepSampler:
         steps peaked at 228.6); on its wide MLP, the highest peak of alike steps (47.4 of
         50 MiB) came in a quarter of them, and the answer needs no more room."""
         same = max(int(self.pool.layout().get("page_bytes", 0) or 0), 1)
-        gap = 0
-        for peaks in self._alike.values():
-            p = sorted(peaks)
-            if len(p) < 3:
-                continue
-            top = p[-1]
-            below = [v for v in p if v < top - same]
-            if below and len(p) - len(below) == 1:
-                gap = max(gap, top - below[-1])
-        return gap
+        return max((order_gap(peaks, same) for peaks in self._alike.values()), default=0)
 
     def _unmet_prepared(self, trace):
         """The batches prepared ahead that other steps at b0 met and `trace` did not (see
@@ -313,8 +304,9 @@ class StepSampler:
 
     def advice_floor(self):
         """The smallest batch size the advice may name after an OOM: the largest whose
-        step completed in the short runs (it ran, as the retry will, on all the data)."""
-        return max(self.after_oom, default=0)
+        step completed in the short runs (it ran, as the retry will, on all the data),
+        never above the cap."""
+        return min(max(self.after_oom, default=0), self.cap)
 
     def advice_cap(self):
         """The largest batch size the advice may name: below the smallest known not to fit,
