@@ -63,21 +63,25 @@ def model_after_oom(sampler, model):
         return _recording.unmet_prepared(trace, max(per_sample) * trace.batch_size)
 
     def build(template, other=None):
+        extra = _recording.joined(unmet(template), _recording.stale_batches(sampler.x, sampler.y, sampler.n,
+                                                                            template.batch_size))
         return StepModel.build(plain(template), plain(other) if other is not None else None,
-                               extra_start=unmet(template), epoch=sampler.epoch)
+                               extra_start=extra, epoch=sampler.epoch)
 
     def ran(trace):
         # A short run that completed proves its size for a retry that copies the
         # arrays only if it had the copy, or if its step fits with room for it (under
         # 24 MiB, the README's CNN completed a batch of 1 without its 12 MiB copy,
-        # where with it nothing fits); and for a retry whose steps meet tf.data's
-        # prepared batches only if it met them too, or fits with them.
+        # where with it nothing fits); for a retry whose steps meet tf.data's
+        # prepared batches only if it met them too, or fits with them; and on Keras'
+        # torch backend, where no run shows whether the batches before its step's own
+        # were still live (_recording.STALE_BATCHES), only if it fits with them.
         if trace is None or not trace.complete:
             return False
         per_sample.append(_recording.prepared_bytes(trace) / trace.batch_size)
         if copies and not has_copy(trace):
             without[0] = True
-        elif unmet(trace) is None:
+        elif unmet(trace) is None and _recording.stale_batches(sampler.x, sampler.y, sampler.n, 1) is None:
             return True
         return build(trace).fits(trace.batch_size, limit())
 

@@ -2,8 +2,8 @@
 recorded steps of fit(), without a full run."""
 from tf_memguard import _backend, _core, _install
 from tf_memguard._memory_model import StepModel
-from tf_memguard._recording import (SHORTFALL_FLAGS, Snapshot, StepRecorder, abort_all, epoch_of, fit_steps,
-                                    prepared_bytes, unmet_prepared, without_blocks)
+from tf_memguard._recording import (SHORTFALL_FLAGS, Snapshot, StepRecorder, abort_all, epoch_of, fit_steps, joined,
+                                    prepared_bytes, stale_batches, unmet_prepared, without_blocks)
 from tf_memguard._units import format_bytes, parse_bytes
 
 
@@ -123,7 +123,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
             sizes, flags = extra if extra is not None else ([], [])
             if short * template.batch_size >= align:
                 sizes, flags = sizes + [int(short * template.batch_size)], flags + [SHORTFALL_FLAGS]
-            return StepModel.build(template, other, extra_start=(sizes, flags) if sizes else None, epoch=epoch)
+            extra = joined((sizes, flags) if sizes else None, stale_batches(x, y, n, template.batch_size))
+            return StepModel.build(template, other, extra_start=extra, epoch=epoch)
         # The first size runs two steps (the first traces the step and builds the
         # optimizer's slots); every next size one, recorded as it traces or not: three
         # sizes within four steps, the last one near the limit, so that the answer needs

@@ -274,6 +274,40 @@ def unmet_prepared(trace, most):
     return [unmet], [BATCH_DATA_FLAGS]
 
 
+# Keras' torch backend makes each batch on the GPU as it fetches it (the array adapter's
+# Dataset converts its slice with convert_to_tensor), and a batch before it is freed only
+# when Python lets go of it, which the cycle collector can delay: on the H200, the steps
+# of five epochs (106 steps each at 195) began with the current batch and 0, 1 or 2 of
+# the ones before it (74.7, 83.9, 93.0 MiB in use; a batch is 9.1 MiB), and their peaks
+# rose to 9.2 MiB above the second step of a short run. A short run's step can begin
+# with none of them: a model of it alone named 195, 201, whose short runs completed and
+# whose epochs ran out (benchmarks/NOTES.md, "Batches the cycle collector holds").
+STALE_BATCHES = 2
+
+
+def stale_batches(x, y, samples, batch_size):
+    """Room, on Keras' torch backend, for the STALE_BATCHES batches before a step's own
+    that can still be live as it runs, as one more batch-tagged block at its start
+    ((sizes, flags) for StepModel.build's extra_start), or None (other backends, or no
+    arrays to size a batch by)."""
+    if _backend.framework() != "torch" or x is None:
+        return None
+    epoch = epoch_of(x, y, samples or 1)
+    if epoch is None:
+        return None
+    return [int(STALE_BATCHES * epoch[1] * batch_size)], [SHORTFALL_FLAGS]
+
+
+def joined(*extras):
+    """The (sizes, flags) extra_start blocks of `extras` together (None ones left out), or
+    None."""
+    sizes, flags = [], []
+    for e in extras:
+        if e is not None:
+            sizes, flags = sizes + list(e[0]), flags + list(e[1])
+    return (sizes, flags) if sizes else None
+
+
 def epoch_of(x, y, samples):
     """(samples, bytes per sample of one batch) of the epochs fit() runs over the arrays x
     and y (StepModel.build's `epoch`): what bounds the batches tf.data prepares ahead."""

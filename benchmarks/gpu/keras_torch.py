@@ -257,6 +257,142 @@ def _find_traces(out, budget):
     return out
 
 
+def _log_find_steps(out):
+    """Each short run find_batch_size makes, into out["find_tried"]: its size, whether its
+    recorded step completed (None: refused before it was recorded), the pool's bytes in
+    use before it and the refusal after it (why find after an OOM answered 32)."""
+    import tf_memguard
+    from tf_memguard import _find
+    real = _find.fit_steps
+    out["find_tried"] = tried = []
+
+    def logged(model, x, y, size, recorder, **kw):
+        before = tf_memguard.stats("cuda:0")
+        trace = real(model, x, y, size, recorder, **kw)
+        tried.append({"size": size, "steps": kw.get("steps"), "complete": None if trace is None else trace.complete,
+                      "in_use_before": before["bytes_in_use"], "reserved_before": before["bytes_reserved"],
+                      "refusal": tf_memguard.last_refusal("cuda:0")})
+        return trace
+    _find.fit_steps = logged
+
+
+def _step_peaks(out, budget):
+    """One epoch at PEAK_BATCH in a fresh process: each step's peak (the pool's window
+    peak) and what was in use as it began, and where it ran out, if it did (do a short
+    run's steps and an epoch's peak alike on the GPU?)."""
+    import keras
+    import torch
+
+    import tf_memguard
+    tf_memguard.install(max_bytes=budget, device="cuda:0")
+    b = int(os.environ["PEAK_BATCH"])
+    x, y = _data()
+    model = _model()
+    peaks, begins = [], []
+
+    class Peaks(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            begins.append(tf_memguard.stats("cuda:0")["bytes_in_use"])
+            tf_memguard.reset_peak("cuda:0")
+
+        def on_train_batch_end(self, batch, logs=None):
+            peaks.append(tf_memguard.stats("cuda:0")["window_peak_bytes_in_use"])
+    out["batch_size"] = b
+    try:
+        model.fit(x, y, batch_size=b, epochs=1, verbose=0, callbacks=[Peaks()])
+        out["trained"] = True
+    except torch.OutOfMemoryError as e:
+        out["trained"], out["error"] = False, str(e)[:400]
+    out["steps_run"], out["step_peaks_mib"] = len(peaks), [round(v / 2**20, 1) for v in peaks]
+    out["begin_in_use_mib"] = sorted(set(round(v / 2**20, 1) for v in begins))
+    return out
+
+
+def _after_oom_leak(out, budget):
+    """What stays in the pool after an out-of-memory error at BATCH and gc.collect(), that
+    a fresh process does not hold after a short fit() of the same model: the pool's live
+    blocks beside each other, and the CUDA tensors Python still holds, with their holders."""
+    import gc
+    import collections
+
+    import keras
+    import torch
+
+    import tf_memguard
+    tf_memguard.install(max_bytes=budget, device="cuda:0")
+    pool = tf_memguard.device_pool("cuda:0")
+    x, y = _data()
+    model = _model()
+    model.fit(x[:64], y[:64], batch_size=32, epochs=1, verbose=0)
+    gc.collect()
+    before = collections.Counter(int(s) for s in pool.live_blocks()["size"])
+    out["in_use_after_short_fit"] = tf_memguard.stats("cuda:0")["bytes_in_use"]
+    guard = tf_memguard.MemGuardCallback(verbose=0, advice=os.environ.get("LEAK_ADVICE", "1") == "1")
+    try:
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[guard])
+    except torch.OutOfMemoryError as e:
+        out["oom"] = str(e)[:200]
+        del e
+    gc.collect()
+    after = collections.Counter(int(s) for s in pool.live_blocks()["size"])
+    out["in_use_after_oom"] = tf_memguard.stats("cuda:0")["bytes_in_use"]
+    out["blocks_added"] = sorted((after - before).items())
+    out["blocks_gone"] = sorted((before - after).items())
+    held = []
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, torch.Tensor) and o.is_cuda and o.untyped_storage().nbytes() >= 1 << 20:
+                refs = [type(r).__name__ for r in gc.get_referrers(o)][:6]
+                held.append({"shape": list(o.shape), "bytes": o.untyped_storage().nbytes(), "referrers": refs})
+        except Exception:  # noqa: BLE001 - a diagnostic over every object
+            pass
+    out["cuda_tensors_held"] = sorted(held, key=lambda h: -h["bytes"])[:40]
+
+    def added_since(what):
+        gc.collect()
+        now = collections.Counter(int(s) for s in pool.live_blocks()["size"])
+        out["in_use_after_" + what] = tf_memguard.stats("cuda:0")["bytes_in_use"]
+        out["blocks_added_after_" + what] = sorted((now - before).items())
+    rep = tf_memguard.report()
+    size = rep.suggested_batch_size if rep else 0
+    out["suggested"] = size
+    added_since("suggestion")
+    if size:
+        try:
+            model.fit(x, y, batch_size=size, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            out["retry_ok"] = True
+        except torch.OutOfMemoryError:
+            out["retry_ok"] = False
+        added_since("retry")
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, steps_per_epoch=2)
+        added_since("plain_fit")
+    return out
+
+
+def _find_fresh(out, budget):
+    """find_batch_size in a fresh process (no OOM before it), its steps, and whether one
+    epoch at its answer trains."""
+    import torch
+
+    import tf_memguard
+    from tf_memguard import _find
+    tf_memguard.install(max_bytes=budget, device="cuda:0")
+    x, y = _data()
+    model = _model()
+    _log_find_steps(out)
+    t = time.perf_counter()
+    out["find_batch_size"] = tf_memguard.find_batch_size(model, x, y)
+    out["find_batch_size_seconds"] = time.perf_counter() - t
+    out["find_steps"] = [[s.batch_size, s.complete] if s is not None else None for s in _find.last_steps]
+    try:
+        model.fit(x, y, batch_size=out["find_batch_size"], epochs=1, verbose=0)
+        out["find_batch_size_fit_ok"] = True
+    except torch.OutOfMemoryError as e:
+        out["find_batch_size_fit_ok"] = False
+        out["find_batch_size_error"] = str(e)[:600]
+    return out
+
+
 def child(mode, budget):
     import gc
     out = {"mode": mode}
@@ -269,6 +405,12 @@ def child(mode, budget):
         return _advice_fit(out, budget)
     if mode == "traces":
         return _find_traces(out, budget)
+    if mode == "find":
+        return _find_fresh(out, budget)
+    if mode == "leak":
+        return _after_oom_leak(out, budget)
+    if mode == "peaks":
+        return _step_peaks(out, budget)
     if mode in ("memguard", "oom", "torch_only", "cublas_memguard"):
         import tf_memguard
         b = {"memguard": 0.5, "oom": budget, "torch_only": 1 << 30, "cublas_memguard": budget}[mode]
@@ -363,6 +505,9 @@ def child(mode, budget):
         a = torch.randn(2048, 2048, device="cuda")
         out["matmul_after"] = float((a @ a).abs().sum().item()) > 0
         torch.cuda.synchronize()
+        # (Freed: kept, its 16 MiB sat beside every later step, the advice's short runs,
+        # the retry and find_batch_size's, which a user's process would not hold.)
+        del a
     except Exception as e:  # noqa: BLE001
         out["matmul_after"] = False
         out["matmul_error"] = str(e)[:600]
@@ -390,6 +535,7 @@ def child(mode, budget):
             out["retry_ok"] = False
             out["retry_error"] = str(e)[:600]
     gc.collect()
+    _log_find_steps(out)
     t = time.perf_counter()
     size = tf_memguard.find_batch_size(model, x, y)
     out["find_batch_size"] = size
@@ -443,6 +589,12 @@ def main():
     ap.add_argument("--oom-only", action="store_true",
                     help="only the out-of-memory scenario and find_batch_size's steps under ADVICE_BUDGET bytes; "
                          "writes gpu_keras_torch_oom.json and find_traces.json")
+    ap.add_argument("--leak", action="store_true",
+                    help="what stays in the pool after an out-of-memory error (with and without the advice); "
+                         "writes gpu_keras_torch_leak.json")
+    ap.add_argument("--peaks", default=None,
+                    help="comma-separated batch sizes: one epoch at each in a fresh process under ADVICE_BUDGET, "
+                         "its steps' peaks; writes gpu_keras_torch_peaks.json")
     ap.add_argument("--advice-only", action="store_true",
                     help="only the advice check (one memguard run for the budget, then fits at batch sizes "
                          "around the suggestion); writes gpu_keras_torch_advice.json")
@@ -455,19 +607,48 @@ def main():
         print(json.dumps(child(args.child, args.budget)), flush=True)
         return
 
+    if args.leak:
+        budget = int(os.environ["ADVICE_BUDGET"])
+        result = {"with_advice": run_child("leak", budget, LEAK_ADVICE="1"),
+                  "without_advice": run_child("leak", budget, LEAK_ADVICE="0"),
+                  "command": "ADVICE_BUDGET=%d bash benchmarks/gpu/run_keras_torch.sh --leak" % budget}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_keras_torch_leak.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        for k in ("with_advice", "without_advice"):
+            r = result[k]
+            print(k, {n: v for n, v in r.items() if n.startswith(("in_use", "blocks", "suggested", "retry"))}, json.dumps(r.get("cuda_tensors_held"))[:1500],
+                  r.get("stderr_tail", "")[-800:])
+        return
+
+    if args.peaks:
+        budget = int(os.environ["ADVICE_BUDGET"])
+        result = {"runs": [run_child("peaks", budget, PEAK_BATCH=v) for v in args.peaks.split(",")],
+                  "command": "ADVICE_BUDGET=%d bash benchmarks/gpu/run_keras_torch.sh --peaks %s" % (budget, args.peaks)}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_keras_torch_peaks.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        for r in result["runs"]:
+            p = r.get("step_peaks_mib") or [0]
+            print(r.get("batch_size"), "trained", r.get("trained"), "steps", r.get("steps_run"), "first 3", p[:3],
+                  "max", max(p), "at step", p.index(max(p)), "begin MiB", r.get("begin_in_use_mib"), r.get("error", ""))
+        return
+
     if args.oom_only:
         # The out-of-memory error, its retry and find_batch_size under the budget of the
         # advice run (ADVICE_BUDGET), and find_batch_size's steps kept to replay offline.
         budget = int(os.environ["ADVICE_BUDGET"])
         result = {"oom": run_child("oom", budget, FIND_STEPS_OUT=os.path.join(args.out, "find_steps_after_oom.json")),
                   "traces": run_child("traces", budget, TRACES_OUT=os.path.join(args.out, "find_traces.json")),
+                  "find_fresh": run_child("find", budget),
                   "command": "ADVICE_BUDGET=%d bash benchmarks/gpu/run_keras_torch.sh --oom-only" % budget}
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gpu_keras_torch_oom.json"), "w") as f:
             json.dump(result, f, indent=1)
         o = result["oom"]
         print(json.dumps({k: o.get(k) for k in ("suggested", "suggestion_method", "retry_ok", "find_batch_size",
-                                                "find_batch_size_fit_ok")}), json.dumps(result["traces"]))
+                                                "find_batch_size_fit_ok")}), json.dumps(result["traces"]),
+              json.dumps(result["find_fresh"]))
         return
 
     if args.advice_only:
