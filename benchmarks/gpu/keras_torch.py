@@ -36,6 +36,16 @@ call of this script:
              suggestion must train two epochs, and is compared with the largest size that
              trains two epochs, by bisection (each fit its own process). Writes
              gpu_keras_torch_advice.json.
+  --oom-only the oom scenario alone under ADVICE_BUDGET bytes, find_batch_size's steps
+             (after the OOM, and in a fresh process: find) kept to replay offline, each
+             short run it made with the pool's state before it. Writes
+             gpu_keras_torch_oom.json, find_steps_after_oom.json, find_traces.json.
+  --peaks B1,B2,...  one epoch at each size in a fresh process under ADVICE_BUDGET: every
+             step's peak and what was in use as it began (an epoch against the second
+             step a short run records). Writes gpu_keras_torch_peaks.json.
+  --leak     what the pool and Python hold after an OOM, the suggestion's short runs, a
+             retry and a plain fit(), against a fresh short fit() (with the advice and
+             without). Writes gpu_keras_torch_leak.json.
 
 Usage (from the repository root, after `python3 setup.py build_ext --inplace` with
 PyTorch present): python3 benchmarks/gpu/keras_torch.py --out DIR
