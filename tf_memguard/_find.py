@@ -1,7 +1,7 @@
 """find_batch_size(): the largest batch size that fits, from the memory model of two
 recorded steps of fit(), without a full run."""
 from tf_memguard import _backend, _core, _install
-from tf_memguard._memory_model import StepModel
+from tf_memguard._memory_model import StepModel, StepModels
 from tf_memguard._recording import (SHORTFALL_FLAGS, Snapshot, StepRecorder, abort_all, epoch_of, fit_steps, joined,
                                     prepared_bytes, stale_batches, unmet_prepared, without_blocks)
 from tf_memguard._units import format_bytes, parse_bytes
@@ -118,13 +118,23 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         # replay there leaves of it. Kept as one more batch-tagged block at the start.
         short = 0.0
 
-        def build(template, other=None):
-            extra = unmet_prepared(template, max(per_sample) * template.batch_size)
-            sizes, flags = extra if extra is not None else ([], [])
-            if short * template.batch_size >= align:
-                sizes, flags = sizes + [int(short * template.batch_size)], flags + [SHORTFALL_FLAGS]
-            extra = joined((sizes, flags) if sizes else None, stale_batches(x, y, n, template.batch_size))
+        def one(template, other):
+            extra = joined(unmet_prepared(template, max(per_sample) * template.batch_size),
+                           ([int(short * template.batch_size)], [SHORTFALL_FLAGS])
+                           if short * template.batch_size >= align else None,
+                           stale_batches(x, y, n, template.batch_size))
             return StepModel.build(template, other, extra_start=extra, epoch=epoch)
+
+        def build(template, other=None):
+            # Each step's kernels ran in one order of the many TensorFlow's threads draw,
+            # and the replay scales the template's order: both steps' orders must fit. On
+            # the README's CNN under 128 MiB a step at 554 peaked at 114.1 MiB where steps
+            # at 389 peaked at 95.5-111.7 (the line through 76 and 389 gives 141), and the
+            # model of its order named 472, which ran out; the order of the step at 76,
+            # scaled, named 389-413 where the larger step's named 396-525.
+            if other is None:
+                return one(template, None)
+            return StepModels([one(template, other), one(other, template)])
         # The first size runs two steps (the first traces the step and builds the
         # optimizer's slots); every next size one, recorded as it traces or not: three
         # sizes within four steps, the last one near the limit, so that the answer needs

@@ -294,3 +294,36 @@ def test_the_order_gap_is_the_highest_peak_met_once_above_the_next():
     assert mm.order_gap([10, 15], same=0) == 0
     # Peaks within `same` bytes count as one: 15 and 14.5 are one peak met twice.
     assert mm.order_gap([10, 14.5, 15], same=1) == 0
+
+
+def ordered_step(pool, b, together):
+    """Three activations of b MiB (tagged), `together` of them live at once: the order in
+    which a step's kernels ran decides its peak."""
+    live = []
+    for _ in range(3):
+        live.append(pool.allocate(b * MiB, batch=True, kind="kernel"))
+        if len(live) == together:
+            pool.free(live.pop(0))
+    for a in live:
+        pool.free(a)
+
+
+def test_two_steps_in_different_orders_each_scaled_and_the_larger_need_kept():
+    # find_batch_size models both recorded steps, each as the template (_find.build): a
+    # larger step whose kernels happened to run in a thrifty order says less than an
+    # epoch's steps will need.
+    pool = make_pool()
+
+    def rec(b, together):
+        live = pool.live_blocks()
+        pool.trace_start(1 << 16)
+        ordered_step(pool, b, together)
+        pool.trace_start(0)
+        return mm.StepTrace.from_pool(pool, live, b)
+    small, large = rec(8, 3), rec(32, 2)
+    thrifty = mm.StepModel.build(large, small)
+    both = mm.StepModels([thrifty, mm.StepModel.build(small, large)])
+    assert thrifty.need(64)["peak_account"] == (4 + 2 * 64) * MiB
+    assert both.need(64)["peak_account"] == (4 + 3 * 64) * MiB
+    budget = 200 * MiB
+    assert both.largest_fitting(budget) < thrifty.largest_fitting(budget)
