@@ -86,8 +86,12 @@ std::string human(uint64_t bytes) {
   char buf[32];
   if (bytes >= (1ull << 30)) {
     std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / double(1ull << 30));
-  } else {
+  } else if (bytes >= (1ull << 20)) {
     std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / double(1ull << 20));
+  } else if (bytes >= (1ull << 10)) {
+    std::snprintf(buf, sizeof buf, "%.1f KiB", bytes / double(1ull << 10));
+  } else {
+    std::snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(bytes));
   }
   return buf;
 }
@@ -209,9 +213,19 @@ class pool_allocator final : public tsl::Allocator {
       if (p == nullptr && who.kind == TFMG_KIND_CONSTANT) {
         static std::atomic<bool> warned{false};
         if (!warned.exchange(true)) {
-          warn("a constant of " + human(num_bytes) + " does not fit the CPU:0 budget and was refused: TensorFlow "
-               "reports it as InvalidArgumentError 'Cannot parse tensor from proto' (the constant often comes from "
-               "constant folding of a tensor shaped by the batch size: a smaller batch needs less).");
+          // How full the budget was says which it is: a large constant, or a small one
+          // met when the budget was already taken (a dataset's copy of the arrays).
+          tfmg_stats st;
+          std::string state;
+          if (g_api.get_stats(pool_, &st) == TFMG_OK && st.bytes_limit > 0) {
+            state = " (" + human(uint64_t(st.bytes_in_use)) + " of " + human(uint64_t(st.bytes_limit)) +
+                    " in use)";
+          }
+          warn("a constant of " + human(num_bytes) + " does not fit the CPU:0 budget" + state +
+               " and was refused: TensorFlow reports it as InvalidArgumentError 'Cannot parse tensor from proto' (a "
+               "large constant often comes from constant folding of a tensor shaped by the batch size: a smaller "
+               "batch needs less; with the budget all but taken, what takes it, such as a tf.data copy of the "
+               "arrays, is the one to shrink).");
         }
       }
       return p;
