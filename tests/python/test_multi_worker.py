@@ -18,7 +18,9 @@ MIB = 1 << 20
 
 def launch(tmp_path, *args, timeout=300):
     out = tmp_path / "out"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    # PYTHONFAULTHANDLER: a worker that dies of a signal prints its stack (one died of
+    # SIGSEGV once, not reproduced since: benchmarks/NOTES.md, "Multi-worker runs").
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONFAULTHANDLER="1")
     env.pop("TF_CONFIG", None)
     proc = subprocess.run([sys.executable, EXAMPLE, "--out", str(out), "--samples", "1024", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
