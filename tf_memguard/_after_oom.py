@@ -63,10 +63,13 @@ def model_after_oom(sampler, model):
         return _recording.unmet_prepared(trace, max(per_sample) * trace.batch_size)
 
     def build(template, other=None):
-        extra = _recording.joined(unmet(template), _recording.stale_batches(sampler.x, sampler.y, sampler.n,
+        extra = _recording.joined(unmet(template), _recording.stale_batches(sampler.x, sampler.y,
                                                                             template.batch_size))
         return StepModel.build(plain(template), plain(other) if other is not None else None,
                                extra_start=extra, epoch=sampler.epoch)
+
+    # Keras' torch backend (_recording.STALE_BATCHES; see ran()).
+    stale = _recording.stale_batches(sampler.x, sampler.y, 1) is not None
 
     def ran(trace):
         # A short run that completed proves its size for a retry that copies the
@@ -81,7 +84,7 @@ def model_after_oom(sampler, model):
         per_sample.append(_recording.prepared_bytes(trace) / trace.batch_size)
         if copies and not has_copy(trace):
             without[0] = True
-        elif unmet(trace) is None and _recording.stale_batches(sampler.x, sampler.y, sampler.n, 1) is None:
+        elif unmet(trace) is None and not stale:
             return True
         return build(trace).fits(trace.batch_size, limit())
 

@@ -285,14 +285,14 @@ def unmet_prepared(trace, most):
 STALE_BATCHES = 2
 
 
-def stale_batches(x, y, samples, batch_size):
+def stale_batches(x, y, batch_size):
     """Room, on Keras' torch backend, for the STALE_BATCHES batches before a step's own
     that can still be live as it runs, as one more batch-tagged block at its start
     ((sizes, flags) for StepModel.build's extra_start), or None (other backends, or no
     arrays to size a batch by)."""
     if _backend.framework() != "torch" or x is None:
         return None
-    epoch = epoch_of(x, y, samples or 1)
+    epoch = epoch_of(x, y, 1)
     if epoch is None:
         return None
     return [int(STALE_BATCHES * epoch[1] * batch_size)], [SHORTFALL_FLAGS]

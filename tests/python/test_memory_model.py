@@ -272,7 +272,7 @@ def test_on_kerass_torch_backend_a_model_keeps_room_for_two_earlier_batches(monk
     y = np.zeros((100,), np.int64)
     per_sample = 8 * 8 * 3 * 4 + 8
     monkeypatch.setattr(_backend, "framework", lambda: "torch")
-    sizes, flags = _recording.stale_batches(x, y, 100, 10)
+    sizes, flags = _recording.stale_batches(x, y, 10)
     assert sizes == [_recording.STALE_BATCHES * 10 * per_sample] and _recording.STALE_BATCHES == 2
     assert flags == [_core.ALLOC_BATCH]
     # Batch-tagged: the room grows with the batch size in the model.
@@ -283,7 +283,7 @@ def test_on_kerass_torch_backend_a_model_keeps_room_for_two_earlier_batches(monk
     assert kept.need(64)["peak_account"] - plain.need(64)["peak_account"] >= 16 * MiB
     assert _recording.joined(None, big, None) == big and _recording.joined(None) is None
     monkeypatch.setattr(_backend, "framework", lambda: "tensorflow")
-    assert _recording.stale_batches(x, y, 100, 10) is None
+    assert _recording.stale_batches(x, y, 10) is None
 
 
 def test_the_order_gap_is_the_highest_peak_met_once_above_the_next():
