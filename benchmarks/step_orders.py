@@ -37,7 +37,8 @@ def smeared_peak(trace, window):
     at = np.arange(len(op), dtype=np.float64)
     free = op == 1
     when = np.where(free, at + window, at - window)
-    delta = np.where(free, -size, np.where(op == 0, size, 0.0))
+    # Allocations and overshoot take memory; a refusal (2) takes none.
+    delta = np.where(free, -size, np.where((op == 0) | (op == 3), size, 0.0))
     order = np.lexsort((free, when))
     start = float(trace.start_size.sum())
     return max(start, start + float(np.cumsum(delta[order]).max())) if len(op) else start
