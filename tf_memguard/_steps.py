@@ -185,13 +185,15 @@ class StepSampler:
         enough of the first samples for its pipeline to fill (NESTED_BATCHES batches and
         one sample more, so that the last batch is partial and the step runs the trace for
         an unknown batch dimension), its own copy of them left out of the blocks live at
-        the start (the run's full copy stands for the retry's). With `all_samples`, on all
+        the start (the run's full copy stands for the retry's), and so are the batches the
+        run had prepared at its own size (_recording.without_outer_batches). With `all_samples`, on all
         of them, as a retry would run: its copy is the retry's (model_after_oom's runs, which
         its own loops bound, not MAX_NESTED_RUNS). None when it could not be recorded."""
         if self.x is None or (not all_samples and self._nested_runs >= MAX_NESTED_RUNS):
             return None
         self._nested_runs += 1
         samples = None if all_samples else min(self.n or NESTED_BATCHES * size + 1, NESTED_BATCHES * size + 1)
+        outer = self.pool.live_blocks() if not all_samples else None
         try:
             trace = _recording.fit_steps(model, self.x, self.y, size, self.recorder, samples=samples)
         except Exception as e:  # noqa: BLE001 - the model of the step must never stop the training
@@ -203,6 +205,7 @@ class StepSampler:
         if trace is None or all_samples:
             return trace
         align = int(trace.layout.get("alignment", 64))
+        trace = _recording.without_outer_batches(trace, outer)
         return _recording.without_blocks(trace, self._batch_sizes(samples, align), kind="input")
 
     # -- the model ---------------------------------------------------------------------

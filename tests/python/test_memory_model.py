@@ -327,3 +327,73 @@ def test_two_steps_in_different_orders_each_scaled_and_the_larger_need_kept():
     assert both.need(64)["peak_account"] == (4 + 3 * 64) * MiB
     budget = 200 * MiB
     assert both.largest_fitting(budget) < thrifty.largest_fitting(budget)
+
+
+def _steps_with_an_extra_weight_sized_block(free_extra):
+    """Steps at 16 and 8 of a model whose weight is 2 MiB: activations of 64 KiB a sample,
+    one 2 MiB gradient, and at 16 a second 2 MiB block the step at 8 did not make (a
+    kernel that allocated where another time it reused its input), freed by the step's end
+    or (free_extra=False) still live then, as an optimizer slot is."""
+    pool = tf_memguard.Pool(max_bytes=1 << 30, upstream="host_lazy")
+    pool.allocate(2 * MiB, kind="kernel")  # the weight, live at every step's start
+    traces = []
+    for b in (16, 8):
+        live = pool.live_blocks()
+        pool.trace_start(1 << 16)
+        act = pool.allocate(b * 64 * 1024, batch=True, kind="kernel")
+        grad = pool.allocate(2 * MiB, kind="kernel")
+        extra = pool.allocate(2 * MiB, kind="kernel") if b == 16 else None
+        small = pool.allocate(256, kind="kernel") if b == 8 else None
+        for a in (act, grad, small) + ((extra,) if free_extra else ()):
+            if a:
+                pool.free(a)
+        pool.trace_start(0)
+        traces.append(mm.StepTrace.from_pool(pool, live, b))
+        if extra and not free_extra:
+            pool.free(extra)
+    return traces
+
+
+def test_a_block_one_step_made_and_the_other_did_not_is_not_read_as_growth():
+    # The extra 2 MiB block at 16, paired by rank with the 256 B block at 8, would be a line
+    # below the origin: taken as proportional it was 128 KiB a sample, twice the real
+    # slope. Not one tensor at two sizes: unmatched, and of the weight's size, a copy.
+    t16, t8 = _steps_with_an_extra_weight_sized_block(free_extra=True)
+    model = mm.StepModel.build(t16, t8)
+    idx = t16.allocations()
+    fixed_lo, lo, fixed_hi, hi = mm._match(t16, t8, (), t16.start_size)
+    sizes = t16.size[idx]
+    assert all(hi[k] == 0 and fixed_hi[k] == 2 * MiB for k in np.flatnonzero(sizes == 2 * MiB))
+    # The need grows by the activations only: 64 KiB a sample.
+    assert model.need(256)["peak_account"] - model.need(16)["peak_account"] == 240 * 64 * 1024
+
+
+def test_a_weight_sized_block_live_at_the_steps_end_is_state_not_an_activation():
+    t16, t8 = _steps_with_an_extra_weight_sized_block(free_extra=False)
+    assert list(mm._live_at_end(t16)) == [False, False, True]
+    fixed_lo, lo, fixed_hi, hi = mm._match(t16, t8, (), t16.start_size)
+    assert hi[2] == 0 and fixed_hi[2] == 2 * MiB
+    # Without a weight of its size it stays bounded on the safe side (proportional above).
+    fixed_lo, lo, fixed_hi, hi = mm._match(t16, t8, (), [])
+    assert hi[2] == 2 * MiB / 16
+
+
+def test_a_nested_fits_trace_leaves_out_the_batches_the_run_around_it_prepared():
+    from tf_memguard import _recording
+    pool = tf_memguard.Pool(max_bytes=1 << 30, upstream="host_lazy")
+    pool.allocate(2 * MiB, kind="kernel")                 # a weight (untagged): kept
+    outer_batch = pool.allocate(16 * 2048, batch=True, kind="kernel")  # the run's, at 16
+    outer = pool.live_blocks()
+    own = pool.allocate(8 * 2048, batch=True, kind="kernel")           # the nested fit's, at 8
+    live = pool.live_blocks()
+    pool.trace_start(1 << 10)
+    pool.free(pool.allocate(8 * 64 * 1024, batch=True, kind="kernel"))
+    pool.trace_start(0)
+    t = mm.StepTrace.from_pool(pool, live, 8)
+    t.observed_peak = 2 * MiB + 16 * 2048 + 8 * 2048 + 8 * 64 * 1024
+    out = _recording.without_outer_batches(t, outer)
+    assert sorted(out.start_size.tolist()) == [8 * 2048, 2 * MiB]
+    assert out.observed_peak == t.observed_peak - 16 * 2048
+    # A block freed and made again at the same place is the nested fit's own: kept.
+    assert len(_recording.without_outer_batches(t, {"address": np.array([1]), "size": np.array([32768])}).start_size) == 3
+    pool.free(own), pool.free(outer_batch)

@@ -1,5 +1,5 @@
 """The budget holds on a zoo of models, for every way of running them, at batch sizes from
-the largest that fits to ten times it: no crash; the budget's account (tensors in the pool
+the largest that fits to ten times it (thirty for a fit() that completed at ten): no crash; the budget's account (tensors in the pool
 plus what was granted over the budget) never above the budget, except by what could not be
 refused, which is reported by kind; the memory back after a failure; the model usable.
 
@@ -53,7 +53,10 @@ results = []
 for mode in {modes!r}:
     if mode == "jit_compile":
         m.compile(m.optimizer, m.loss, jit_compile=True)
-    for factor in (1, 3, 10):
+    factors = [1, 3, 10, 30]
+    for factor in factors:
+        if factor == 30 and (mode != "fit" or results[-1]["outcome"] != "ok"):
+            break   # (30: only for a fit() that completed at 10, see below)
         b = limit * factor
         gc.collect()
         xs, ys = take(x, 2 * b), take(y, 2 * b)
@@ -113,7 +116,12 @@ def test_the_budget_holds_for_every_mode_and_batch_size(name):
     r = run("import gc\n", SCRIPT.format(bench=BENCH, name=name, modes=MODES), env=HARD, timeout=1500)
     assert r.returncode == 0, r   # no crash, whatever was refused
     rows = r.data["results"]
-    assert len(rows) == len(MODES) * 3
+    # Three sizes per mode, and a fourth for fit() when it completed at the third: the
+    # limit is the callback's suggestion after three steps at 16, a twentieth of what fits,
+    # and from so far below it the suggestion can be as low as 0.35 of the largest size
+    # that trains (the wide MLP: 120-256 across fresh processes, where 348 trains, and its
+    # fit() at 1,200 completed, with the test's 2,400 samples rather than 8,192).
+    assert len(MODES) * 3 <= len(rows) <= len(MODES) * 3 + 1
     for row in rows:
         where = f"{name} {row['mode']} at {row['batch']}: {row}"
         assert row["usable"] is True, where
@@ -136,5 +144,6 @@ def test_the_budget_holds_for_every_mode_and_batch_size(name):
             # earlier trace's too, which is why this bound is one-sided).
             assert row["after"] - row["before"] - row["constants"] <= 1 << 20, where
             assert row["dropped"] - row["before"] <= 1 << 20, where
-    # At ten times the largest size that fits, training does not fit.
+    # At ten (or thirty) times the largest size that fits, training does not fit: the
+    # matrix reaches a refusal in fit(), whatever the suggestion it starts from.
     assert any(row["outcome"] != "ok" for row in rows if row["mode"] == "fit" and row["batch"] >= 10 * r.data["limit"])
