@@ -146,3 +146,30 @@ def test_find_batch_size_answers_what_trains(name, batch):
     size = r.data["size"]
     assert fit(name, size)["fits"], f"{name}: find_batch_size's {size} ran out of memory"
     assert not fit(name, above(size, samples(name)))["fits"]
+
+
+def test_the_model_of_a_short_fit_inside_a_run_does_not_count_the_runs_batches():
+    # From three steps at 16 of the wide MLP under 50 MiB (348 trains two epochs), the
+    # model of the short fit()'s step at 8 (the trace for sizes that do not divide the
+    # 8,192 samples) met the run's three prepared batches at 16 and scaled them as its
+    # own: it named 109-204 in 24 processes. Without them it names 233-320 (10 processes).
+    # 200 is 0.57 of 348: under it is the old defect; above 348 the new one (too much).
+    r = run(PRELUDE, """
+    import tf_memguard
+    from tf_memguard._memory_model import StepModels
+    budget = BUDGETS["wide_dense"] << 20
+    tf_memguard.install(max_bytes=budget)
+    x, y, make = build("wide_dense")
+    m = make()
+    m.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=3, verbose=0,
+          callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+    rep = tf_memguard.report()
+    sm = StepModels.from_dict(rep.memory_model)
+    emit(domains=sm.domains, largest=[mm.largest_fitting(budget) for mm in sm.models],
+         suggested=rep.suggested_batch_size)
+    """, env=HARD, timeout=600)
+    assert r.returncode == 0, r
+    lone = [n for n, d in zip(r.data["largest"], r.data["domains"]) if d == "dynamic"]
+    assert len(lone) == 1, r.data
+    assert 200 <= lone[0] <= 348, r.data
+    assert r.data["suggested"] <= 348, r.data
