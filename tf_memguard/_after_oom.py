@@ -4,8 +4,9 @@ The failed fit() recorded its step up to the refusal (the retry's first step mus
 too) and, when it was the run's first size, no complete step. Once the failed fit()'s
 data is out of the pool (its exception released), short fit() runs on all the samples at
 smaller sizes make the model: down from half the failed size until one completes, then up
-where the model says the limit is. The answer is the largest size whose run completed:
-the model picks where to look, the runs decide.
+where the model says the limit is. The answer is the largest size whose run completed
+(and, where the runs went up, whose run of CONFIRM_STEPS steps completed): the model
+picks where to look, the runs decide.
 """
 from tf_memguard import _recording
 from tf_memguard._memory_model import StepModel, StepModels
@@ -18,6 +19,18 @@ from tf_memguard._memory_model import StepModel, StepModels
 DESCENT = 4
 # Runs after an OOM that go up from the size that completed, the model's size then halfway.
 ASCENT_RUNS = 3
+# The steps of the run that confirms the answer, when the ascent went up: its first step
+# traces nothing new, so it is one draw of the kernels' order more than the short run's
+# recorded step, and the rest two more. The ascent ends on a size whose one recorded step
+# completed, and of the sizes it tries, the ones that complete are the lucky draws: on
+# the zoo, the separable CNN's 399 and the two-input model's 467 (1.09 and 1.08 of their
+# limits) completed a short run and ran out in the retry; one epoch of the two-input model
+# at 442 peaked at 120.7-127.2 MiB of its 128 in its steps and ran out in its fifth. Four
+# steps at the limit cost about as much as two short runs.
+CONFIRM_STEPS = 4
+# Confirmation runs at most (each refused one adds a short run halfway below it): the
+# ascent's ASCENT_RUNS sizes, each of which can be one to step down from.
+CONFIRM_TRIES = ASCENT_RUNS
 
 
 def model_after_oom(sampler, model):
@@ -27,7 +40,8 @@ def model_after_oom(sampler, model):
     one completes, then at the size the model of the step that completed says fits, each
     completed step becoming the model's new template. A run that is refused there shows
     the model wrong near that size: the next is halfway between the largest size that
-    completed and it. The advice names the largest size that completed (advice_cap). The
+    completed and it. The advice names the largest size that completed (advice_cap),
+    once a run of CONFIRM_STEPS steps at it completed too where the runs went up. The
     failed step up to its refusal is the retry's first step, and must fit too. None when
     no complete step could be had."""
     if not sampler.after_oom_needs_steps():
@@ -123,6 +137,7 @@ def model_after_oom(sampler, model):
     # One size only: every block that is not batch-shaped is taken as proportional above
     # it, which can only overstate the need; the next size corrects it.
     current = with_failed(build(good))
+    completed = [good]
     refused = False
     for _ in range(ASCENT_RUNS):
         if refused:
@@ -136,11 +151,47 @@ def model_after_oom(sampler, model):
             lower, good = good, trace
             current = with_failed(build(good, lower))
             sampler.after_oom.append(size)
+            completed.append(good)
         else:
             sampler.too_large = min(sampler.too_large, size)
             refused = True
     # The answer is a size that ran: the model picks where to look, the runs decide.
     # Extrapolated answers ran out in retries near the limit (the zoo's autoencoder:
-    # 1233 after its runs, in CI), where peaks move from run to run.
+    # 1233 after its runs, in CI), where peaks move from run to run. A size above the
+    # first that completed must also survive CONFIRM_STEPS steps (where an epoch has more
+    # than two batches). A refusal there is one more refused size: the next try is halfway
+    # between the size below that completed and it, then confirmed the same way; at most
+    # CONFIRM_TRIES confirmations, then the first size that completed.
+    confirmed = len(completed) < 2
+    for _ in range(CONFIRM_TRIES):
+        if len(completed) < 2:
+            confirmed = True
+            break
+        steps = min(CONFIRM_STEPS, sampler.n // good.batch_size) if sampler.n else CONFIRM_STEPS
+        if steps <= 2:
+            confirmed = True
+            break
+        if ran(sampler.short_fit(model, good.batch_size, all_samples=True, steps=steps)):
+            sampler.confirmed = (good.batch_size, steps)
+            confirmed = True
+            break
+        sampler.too_large = min(sampler.too_large, good.batch_size)
+        sampler.after_oom = [b for b in sampler.after_oom if b < good.batch_size]
+        completed.pop()
+        size = (completed[-1].batch_size + good.batch_size) // 2
+        good = completed[-1]
+        if size > good.batch_size:
+            trace = sampler.short_fit(model, size, all_samples=True)
+            if ran(trace):
+                good = trace
+                completed.append(trace)
+                sampler.after_oom.append(size)
+            else:
+                sampler.too_large = min(sampler.too_large, size)
+    if not confirmed:
+        good = completed[0]
+        completed = completed[:1]
+        sampler.after_oom = [b for b in sampler.after_oom if b <= good.batch_size]
+    current = with_failed(build(good, completed[-2]) if len(completed) > 1 else build(good))
     sampler.cap = good.batch_size
     return sampler.use_model(current)

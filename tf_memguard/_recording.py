@@ -166,7 +166,7 @@ def _record_step(recorder, batch_size, at=1):
 
 
 def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2):
-    """`steps` steps of fit() at `batch_size` (1 or 2), the last recorded (fit()'s own
+    """`steps` steps of fit() at `batch_size` (1 or more), the last recorded (fit()'s own
     pipeline, its copy of the data, the trace of the step it runs): a StepTrace,
     complete=False when the recorded step was refused; None when an earlier one was.
     `samples`: fit() on that many of the first samples (default: all; one more than two
@@ -176,8 +176,8 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2):
     the step's kernels run; a model takes those it cannot match as bounded, never as
     less). The model's weights and optimizer state are restored exactly, its metrics
     reset."""
-    if steps not in (1, 2):
-        raise ValueError(f"fit_steps(steps={steps!r}): must be 1 or 2")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"fit_steps(steps={steps!r}): must be an int of at least 1")
     import keras
     if samples is not None:
         x = keras.tree.map_structure(lambda a: a[:samples], x)

@@ -81,6 +81,7 @@ class StepSampler:
         self.too_large = 1 << 62  # the smallest batch size known not to fit
         self.cap = 1 << 62        # the largest the advice may name (model_after_oom)
         self.after_oom = []       # the sizes of the short fit() runs after an OOM that completed
+        self.confirmed = None     # (size, steps) of the run after an OOM that confirmed the answer
         self.prepared = 0         # the most batch-tagged bytes live at a step's start at b0
         # The peaks of the full steps at b0, by (bytes in use at the step's start,
         # batch-tagged bytes at its end): steps alike but for their kernels' order.
@@ -180,22 +181,23 @@ class StepSampler:
         if self.tf:
             _core.set_profile_batch(size)
 
-    def short_fit(self, model, size, all_samples=False):
-        """A short fit() of its own at `size` (its second step recorded). By default on
+    def short_fit(self, model, size, all_samples=False, steps=2):
+        """A short fit() of its own at `size` (its last step recorded). By default on
         enough of the first samples for its pipeline to fill (NESTED_BATCHES batches and
         one sample more, so that the last batch is partial and the step runs the trace for
         an unknown batch dimension), its own copy of them left out of the blocks live at
-        the start (the run's full copy stands for the retry's), and so are the batches the
-        run had prepared at its own size (_recording.without_outer_batches). With `all_samples`, on all
-        of them, as a retry would run: its copy is the retry's (model_after_oom's runs, which
-        its own loops bound, not MAX_NESTED_RUNS). None when it could not be recorded."""
+        the start (the run's full copy stands for the retry's), and so are the batches
+        the run had prepared at its own size (_recording.without_outer_batches). With
+        `all_samples`, on all of them, as a retry would run: its copy is the retry's (model_after_oom's runs, which
+        its own loops bound, not MAX_NESTED_RUNS). `steps`: the steps it runs, the last
+        recorded. None when it could not be recorded (a step was refused before it)."""
         if self.x is None or (not all_samples and self._nested_runs >= MAX_NESTED_RUNS):
             return None
         self._nested_runs += 1
         samples = None if all_samples else min(self.n or NESTED_BATCHES * size + 1, NESTED_BATCHES * size + 1)
         outer = self.pool.live_blocks() if not all_samples else None
         try:
-            trace = _recording.fit_steps(model, self.x, self.y, size, self.recorder, samples=samples)
+            trace = _recording.fit_steps(model, self.x, self.y, size, self.recorder, samples=samples, steps=steps)
         except Exception as e:  # noqa: BLE001 - the model of the step must never stop the training
             warnings.warn(f"tf_memguard: steps at batch size {size} for the memory model failed "
                           f"({type(e).__name__}: {e}); the advice uses what was recorded", stacklevel=3)
@@ -281,8 +283,10 @@ class StepSampler:
         if self.after_oom:
             what = ("the memory model of short fit() runs after the out-of-memory error at " +
                     ", ".join(str(b) for b in self.after_oom) + f" (refused at {self.b0})")
-            return what + "; the largest that completed" + (f", {self.too_large} having been refused"
-                                                             if self.too_large < self.b0 else "")
+            what += "; the largest that completed"
+            if self.confirmed:
+                what += f" (and a run of {self.confirmed[1]} steps at {self.confirmed[0]})"
+            return what + (f", {self.too_large} having been refused" if self.too_large < self.b0 else "")
         sizes = [t.batch_size for t in (self.template or self.first, self.other) if t is not None]
         what = "the memory model of steps at " + " and ".join(str(b) for b in sizes)
         kept = self._model.spread(self.b0) if self._model is not None else 0

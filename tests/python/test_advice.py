@@ -5,6 +5,7 @@ trains two epochs in a fresh process, and is at least 85% of the largest size th
 same after an out-of-memory error, where the retry in the same process must train; and
 find_batch_size's answer."""
 import os
+import re
 
 import pytest
 
@@ -78,11 +79,12 @@ if not failed:
 else:
     gc.collect()   # after the except block, as the note says
     size = tf_memguard.report().suggested_batch_size
+    method = tf_memguard.report().suggestion_method
     try:
         m.fit(x, y, batch_size=size, epochs=2, verbose=0, callbacks=[cb])
-        emit(oom=True, suggested=size, retry=True)
+        emit(oom=True, suggested=size, retry=True, method=method)
     except tf.errors.ResourceExhaustedError:
-        emit(oom=True, suggested=size, retry=False)
+        emit(oom=True, suggested=size, retry=False, method=method)
 """
 
 FIND = PRELUDE + """
@@ -134,6 +136,14 @@ def test_after_an_out_of_memory_error_the_suggestion_trains_in_the_same_process(
     assert r.returncode == 0, r
     d = r.data
     assert d["oom"] and d["suggested"], d
+    # The answer is a size whose short run completed and, where the runs went up from the
+    # first that completed, whose run of more steps did too (_after_oom.CONFIRM_STEPS).
+    runs = re.search(r"error at ([0-9, ]+) \(refused", d["method"])
+    assert runs, d   # the failed fit()'s first step was refused: short runs make the model
+    ran = [int(v) for v in runs.group(1).split(",")]
+    assert d["suggested"] == max(ran), d
+    if len(ran) >= 2 and samples(name) // d["suggested"] > 2:
+        assert f"steps at {d['suggested']})" in d["method"], d
     assert d["retry"], f"{name}: the retry at {d['suggested']} ran out of memory"
     bigger = above(d["suggested"], samples(name))
     assert not fit(name, bigger)["fits"], f"{name}: {bigger} trains: {d['suggested']} is under 85%"
