@@ -19,12 +19,12 @@ from tf_memguard._memory_model import StepModel, StepModels
 DESCENT = 4
 # Runs after an OOM that go up from the size that completed, the model's size then halfway.
 ASCENT_RUNS = 3
-# The steps of the run that confirms the answer, when the ascent went up: its first step
-# traces nothing new, so it is one draw of the kernels' order more than the short run's
-# recorded step, and the rest two more. The ascent ends on a size whose one recorded step
-# completed, and of the sizes it tries, the ones that complete are the lucky draws: on
-# the zoo, the separable CNN's 399 and the two-input model's 467 (1.09 and 1.08 of their
-# limits) completed a short run and ran out in the retry; one epoch of the two-input model
+# The steps of the run that confirms the answer, when the ascent went up: four draws of
+# the kernels' order where the short run's recorded step was one (its first step finds
+# the step traced by the short run at that size). The ascent ends on a size whose one
+# recorded step completed, and of the sizes it tries, the ones that complete are the
+# lucky draws: on the zoo, the separable CNN's 399 and the two-input model's 467 (1.09
+# and 1.08 of their limits) completed a short run and ran out in the retry; one epoch of the two-input model
 # at 442 peaked at 120.7-127.2 MiB of its 128 in its steps and ran out in its fifth. Four
 # steps at the limit cost about as much as two short runs.
 CONFIRM_STEPS = 4

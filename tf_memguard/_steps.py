@@ -188,9 +188,10 @@ class StepSampler:
         an unknown batch dimension), its own copy of them left out of the blocks live at
         the start (the run's full copy stands for the retry's), and so are the batches
         the run had prepared at its own size (_recording.without_outer_batches). With
-        `all_samples`, on all of them, as a retry would run: its copy is the retry's (model_after_oom's runs, which
-        its own loops bound, not MAX_NESTED_RUNS). `steps`: the steps it runs, the last
-        recorded. None when it could not be recorded (a step was refused before it)."""
+        `all_samples`, on all of them, as a retry would run: its copy is the retry's
+        (model_after_oom's runs, which its own loops bound, not MAX_NESTED_RUNS). `steps`:
+        the steps it runs, the last recorded. None when it could not be recorded (a step
+        was refused before it)."""
         if self.x is None or (not all_samples and self._nested_runs >= MAX_NESTED_RUNS):
             return None
         self._nested_runs += 1
