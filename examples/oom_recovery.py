@@ -8,7 +8,6 @@ import gc
 import os
 import sys
 
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # a hard budget: see train_under_budget.py
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

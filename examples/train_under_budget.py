@@ -8,10 +8,6 @@ import argparse
 import os
 import sys
 
-# oneDNN kernels crash when an allocation is refused (a TensorFlow bug), so tf_memguard
-# grants them over the budget and stops the run instead; with oneDNN off the budget is
-# hard. It must be set before TensorFlow is imported.
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,7 +11,14 @@ names), last_refusal() the state at the last request that did not fit.
 
 The native pool is also available directly as :class:`Pool` (host memory, a budget,
 best-fit allocation with splitting and coalescing), for tests, benchmarks and tools.
+
+Imported before TensorFlow, it turns TensorFlow's oneDNN kernels off (TF_ENABLE_ONEDNN_OPTS=0,
+unless the environment already says): they crash when an allocation is refused, so with
+them on the budget could not be hard (tf_memguard/_onednn.py).
 """
+from tf_memguard import _onednn
+
+_onednn.choose_at_import()  # before anything below can import TensorFlow
 from tf_memguard._core import (
     DoubleFreeError,
     OutOfBudgetError,

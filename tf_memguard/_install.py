@@ -9,7 +9,7 @@ import os
 import re
 import threading
 
-from tf_memguard import _backend, _core
+from tf_memguard import _backend, _core, _onednn
 from tf_memguard._units import HELP, format_bytes, parse_bytes
 
 _lock = threading.Lock()
@@ -107,6 +107,7 @@ def _check_plugin():
         raise RuntimeError(
             "TF_CPU_ALLOCATOR_USE_BFC=true makes TensorFlow use its own BFC allocator on the CPU and "
             "bypass tf_memguard, so a budget would not be enforced. Unset it before starting Python.")
+    _onednn.check_install()
 
 
 def not_serving(device=None):
@@ -290,7 +291,9 @@ def install(max_bytes, device=None):
         ValueError: a bad max_bytes or device, naming the value.
         RuntimeError: the framework would bypass the pool (plugin or glue missing or
             turned off, TF_CPU_ALLOCATOR_USE_BFC=true, PyTorch's CUDA allocator already
-            set up); the message says what to do.
+            set up), or TensorFlow was imported before tf_memguard with its oneDNN
+            kernels on (their requests cannot be refused; TF_ENABLE_ONEDNN_OPTS=1 asked
+            for explicitly only warns); the message says what to do.
 
     Example:
         >>> import tf_memguard

@@ -3,7 +3,7 @@ the request is granted and counted as overshoot (requests TF cannot survive a re
 of) -- and the process never crashes. Each scenario runs in its own process."""
 import pytest
 
-from tfproc import HARD, ONEDNN, run
+from tfproc import HARD, ONEDNN, UNSET_ONEDNN, run
 
 pytestmark = pytest.mark.tf
 
@@ -169,6 +169,74 @@ emit(onednn=onednn)
     assert data["refusals"] >= 1
     assert data["overshoot"]["kernel"] > 0
     assert "a oneDNN kernel asked for" in r.stderr
+    # Asked for explicitly, oneDNN is kept, and install() says the budget is soft for it.
+    assert "TF_ENABLE_ONEDNN_OPTS=1 keeps TensorFlow's oneDNN kernels on" in r.stderr
+
+
+# A layer whose output alone (48 x 48 x 48 floats a sample, 170 MB at 384) is larger than
+# the budget: with oneDNN on its kernels' requests were granted, and this fit peaked at
+# 520 MiB under 160 MiB.
+WIDE_CONV = """
+def wide_conv_fit(tf, tf_memguard):
+    import numpy as np, keras
+    rng = np.random.default_rng(0)
+    x = rng.random((768, 48, 48, 3), dtype=np.float32)
+    y = rng.integers(0, 10, 768)
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((48, 48, 3)), keras.layers.Conv2D(48, 3, activation="relu", padding="same"),
+                          keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(),
+                          keras.layers.Flatten(), keras.layers.Dense(10)])
+    m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        m.fit(x, y, batch_size=384, epochs=1, verbose=0); outcome = "ok"
+    except tf.errors.ResourceExhaustedError as e:
+        outcome = type(e).__name__
+    return outcome
+"""
+
+
+def test_importing_tf_memguard_first_turns_onednn_off_and_the_budget_holds():
+    r = run(WIDE_CONV, """
+        import tf_memguard                     # before TensorFlow, as the README has it
+        tf_memguard.install(max_bytes="160MiB")
+        import tensorflow as tf
+        from tensorflow.python.util import _pywrap_util_port
+        outcome = wide_conv_fit(tf, tf_memguard)
+        s = tf_memguard.stats()
+        emit(outcome=outcome, onednn=bool(_pywrap_util_port.IsMklEnabled()), var=os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+             peak=s["peak_bytes_in_use"], limit=s["bytes_limit"], overshoot=s["overshoot_bytes_by_kind"])
+    """, env=UNSET_ONEDNN)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["var"] == "0" and d["onednn"] is False, d
+    assert d["outcome"] == "ResourceExhaustedError", d
+    assert d["peak"] <= d["limit"], d
+    assert d["overshoot"]["kernel"] == 0, d
+
+
+def test_tensorflow_imported_first_with_onednn_on_by_default_makes_install_raise_and_loses_nothing():
+    r = run("""
+        import tensorflow as tf
+        import tf_memguard
+        from tensorflow.python.util import _pywrap_util_port
+        onednn = bool(_pywrap_util_port.IsMklEnabled())
+        try:
+            tf_memguard.install(max_bytes="160MiB")
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        # Nothing installed, and TensorFlow goes on working.
+        emit(onednn=onednn, error=error, limit=tf_memguard.stats()["bytes_limit"],
+             total=float(tf.reduce_sum(tf.ones([8]))))
+    """, env=UNSET_ONEDNN)
+    assert r.returncode == 0, r
+    d = r.data
+    if not d["onednn"]:
+        pytest.skip("TensorFlow's oneDNN kernels are off by default on this CPU (no AVX-512)")
+    assert d["error"] is not None, d
+    assert "import tf_memguard before tensorflow and keras" in d["error"]
+    assert "TF_ENABLE_ONEDNN_OPTS=0" in d["error"] and "Nothing was installed" in d["error"]
+    assert d["limit"] == 0 and d["total"] == 8.0, d
 
 
 def test_failed_fit_loses_nothing_and_a_smaller_batch_then_fits():

@@ -18,9 +18,12 @@ def emit(**kw):
 """
 
 # A hard budget needs oneDNN off (its kernels crash on a refused allocation; see
-# cc/tf/plugin.cc). Tests of the hard path set this; tests of the oneDNN path unset it.
+# tf_memguard/_onednn.py). `import tf_memguard` before TensorFlow turns it off; scenarios
+# that import TensorFlow first get it off from here (run()'s default), tests of the
+# oneDNN path ask for it, and tests of the import order unset it (None).
 HARD = {"TF_ENABLE_ONEDNN_OPTS": "0"}
 ONEDNN = {"TF_ENABLE_ONEDNN_OPTS": "1"}
+UNSET_ONEDNN = {"TF_ENABLE_ONEDNN_OPTS": None}
 
 
 class Result:
@@ -36,12 +39,18 @@ class Result:
 
 
 def run(*parts, env=None, timeout=600):
-    """Runs the code `parts` (each dedented on its own, then joined) in a fresh Python."""
+    """Runs the code `parts` (each dedented on its own, then joined) in a fresh Python;
+    `env` adds variables to the environment (a value of None removes one)."""
     full_env = dict(os.environ)
     for key in ("TF_MEMGUARD_DISABLE", "TF_CPU_ALLOCATOR_USE_BFC", "TF_MEMGUARD_CORE", "TF_MEMGUARD_HOST_UPSTREAM",
                 "TF_MEMGUARD_GPU", "TF_MEMGUARD_GLUE", "TF_MEMGUARD_PLUGIN"):
         full_env.pop(key, None)
-    full_env.update(env or {})
+    full_env.update(HARD)
+    for key, value in (env or {}).items():
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = value
     proc = subprocess.run([sys.executable, "-c", PRELUDE + "\n".join(textwrap.dedent(p) for p in parts)], env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     return Result(proc.returncode, proc.stdout, proc.stderr)
