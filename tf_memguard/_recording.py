@@ -212,8 +212,6 @@ def without_blocks(trace, sizes, kind=None, tagged=None):
     `kind`, tagged or not when given): what a nested fit() found of the run around it
     that the model must not count (the failed fit()'s prepared batches, the nested
     fit()'s own short copy of the data)."""
-    import dataclasses
-
     import numpy as np
 
     from tf_memguard._memory_model import kind_of
@@ -223,6 +221,12 @@ def without_blocks(trace, sizes, kind=None, tagged=None):
         drop &= kind_of(trace.start_flags) == _core.KINDS.index(kind)
     if tagged is not None:
         drop &= ((trace.start_flags & _core.ALLOC_BATCH) != 0) == tagged
+    return _without_start(trace, drop)
+
+
+def _without_start(trace, drop):
+    """`trace` without the blocks live at its start that the boolean array `drop` marks."""
+    import dataclasses
     keep = ~drop
     # The step's own peak as it ran held the blocks left out (Keras' copy of the arrays
     # lives through every step): without them, so that the spread (what the replay falls
@@ -240,8 +244,6 @@ def without_outer_batches(trace, outer):
     trace too). Scaled from the nested size they counted twice and more: on the zoo's
     wide MLP, three 32 KiB batches of the run at 16, met by the step at 8 and scaled as
     4 KiB a sample, made the model of that step name 109-204 where 348 trains."""
-    import dataclasses
-
     import numpy as np
     held = set(zip(np.asarray(outer["address"]).tolist(), np.asarray(outer["size"]).tolist()))
     if not held or len(trace.start_size) == 0:
@@ -249,12 +251,7 @@ def without_outer_batches(trace, outer):
     tagged = (trace.start_flags & _core.ALLOC_BATCH) != 0
     drop = tagged & np.array([(a, s) in held for a, s in zip(trace.start_address.tolist(),
                                                             trace.start_size.tolist())], dtype=bool)
-    if not drop.any():
-        return trace
-    keep = ~drop
-    peak = max(0, int(trace.observed_peak) - int(trace.start_size[drop].sum())) if trace.observed_peak else 0
-    return dataclasses.replace(trace, start_size=trace.start_size[keep], start_flags=trace.start_flags[keep],
-                               start_address=trace.start_address[keep], observed_peak=peak)
+    return _without_start(trace, drop) if drop.any() else trace
 
 
 def prepared_bytes(trace):
