@@ -74,6 +74,7 @@ unsigned pool::bin_of(std::size_t size) {
 }
 
 void pool::insert_free_locked(block* b) {
+  raise_largest_locked(b->size);
   if (exact(b->size)) {
     const std::size_t n = b->size >> granule_shift_;
     block* head = lists_[n];
@@ -103,6 +104,7 @@ void pool::insert_free_locked(block* b) {
 }
 
 void pool::erase_free_locked(block* b) {
+  forget_if_largest_locked(b);
   if (exact(b->size)) {
     const std::size_t n = b->size >> granule_shift_;
     if (b->fnext != nullptr) b->fnext->at.fprev = b->at.fprev;
@@ -450,6 +452,7 @@ pool::block* pool::carve_locked(block* b, std::size_t size, std::size_t alignmen
       nb->free = true;
       nb->backed = b->backed;
       link_after(b, nb);
+      forget_if_largest_locked(b);
       rekey_free_locked(b, b->addr, pad);
       insert_free_locked(nb);
       b = nb;
@@ -466,6 +469,7 @@ pool::block* pool::carve_locked(block* b, std::size_t size, std::size_t alignmen
   used->free = false;
   used->backed = b->backed;
   const std::size_t rest = b->size - size;
+  forget_if_largest_locked(b);
   if (small) {
     // Handed out from the high end; the low end stays free.
     used->addr = b->addr + rest;
@@ -765,6 +769,7 @@ void pool::free_block_locked(block* b) {
       unlink(next);
       recycle_block_locked(next);
     }
+    raise_largest_locked(size);
     rekey_free_locked(prev, prev->addr, size);
   } else if (next != nullptr) {
     const std::uintptr_t addr = b->addr;
@@ -772,6 +777,7 @@ void pool::free_block_locked(block* b) {
     next->backed = next->backed && b->backed;
     unlink(b);
     recycle_block_locked(b);
+    raise_largest_locked(size);
     rekey_free_locked(next, addr, size);
   } else {
     b->free = true;
@@ -991,6 +997,7 @@ void pool::release_all() {
   std::fill(std::begin(list_mids_), std::end(list_mids_), 0);
   list_top_ = 0;
   listed_ = 0;
+  largest_known_ = false;
   spare_blocks_.clear();
   block_chunks_.clear();
   reserved_ = draining_ = draining_in_use_ = backed_ = pooled_in_use_ = passthrough_in_use_ = overshoot_in_use_ = batch_in_use_ = 0;
@@ -1004,8 +1011,12 @@ std::size_t pool::in_use_blocks() const {
 }
 
 std::size_t pool::largest_free_locked() const {
-  const block* b = largest_free_block_locked();
-  return b == nullptr ? 0 : b->size;
+  if (!largest_known_) {
+    const block* b = largest_free_block_locked();
+    largest_size_ = b == nullptr ? 0 : b->size;
+    largest_known_ = true;
+  }
+  return largest_size_;
 }
 
 std::size_t pool::largest_allocatable_locked() const {
@@ -1285,6 +1296,13 @@ bool pool::is_valid(std::string* why) const {
     if (((list_top_ >> m) & 1) != (list_mids_[m] != 0)) return fail("list bitmap level 2 disagrees");
   }
   if (listed.size() != listed_) return fail("the count of listed free blocks is wrong");
+  if (largest_known_) {
+    const block* top = largest_free_block_locked();
+    if (largest_size_ != (top == nullptr ? 0 : top->size)) {
+      return fail("the kept size of the largest free block is " + std::to_string(largest_size_) + ", not " +
+                  std::to_string(top == nullptr ? 0 : top->size));
+    }
+  }
   if (free_blocks != free_block_count_locked()) return fail("free index holds blocks that are not free");
   if (used_blocks != live_.size()) return fail("live map holds blocks that are not in use");
   if (used != pooled_in_use_) return fail("bytes in use do not match the blocks in use");

@@ -217,12 +217,25 @@ class pool {
   block* exact_fit_locked(std::size_t n) const;  // first listed block of >= n granules
   static unsigned bin_of(std::size_t size);
   void insert_free_locked(block* b);
+  // Changes a free block's place or size in the index. The kept largest size is the
+  // caller's (raise_largest_locked, forget_if_largest_locked): in here it cost the
+  // compiler's partial inlining of the in-place path, 20 instructions a call.
   void rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size);
+  // A free block of `size` is indexed: the largest free size is at least that (a stale
+  // value, while unknown, is harmless: the next read scans).
+  void raise_largest_locked(std::size_t size) {
+    if (size > largest_size_) largest_size_ = size;
+  }
+  // Free block `b` leaves the index or shrinks: if it was of the largest size, that size
+  // is no longer known.
+  void forget_if_largest_locked(const block* b) {
+    if (b->size == largest_size_) largest_known_ = false;
+  }
   static void link_after(block* at, block* nb);
   static void link_before(block* at, block* nb);
   static void unlink(block* x);
   void erase_free_locked(block* b);
-  block* largest_free_block_locked() const;
+  block* largest_free_block_locked() const;  // a scan of the bitmaps from the top
   std::size_t free_block_count_locked() const;
 
   // All _locked members require mutex_ held.
@@ -283,6 +296,15 @@ class pool {
   std::uint64_t list_mids_[kExactMids] = {};  // bit w: list_bits_[w] != 0
   std::uint64_t list_top_ = 0;                // bit m: list_mids_[m] != 0
   std::size_t listed_ = 0;                    // free blocks in the exact lists
+  // The size of the largest free block, while largest_known_: every allocation reads it
+  // (the window's tightest fit), and a scan from the top of the bitmaps and the tree's
+  // last node cost 52 instructions per allocation on churn_2000, an eighth of the call
+  // (benchmarks/NOTES.md, "The largest free block, kept"). A larger block indexed raises
+  // it; the block of that size leaving the index or shrinking forgets it (the next read
+  // scans again). In a steady churn the largest block is the region's untouched rest,
+  // which best fit seldom cuts.
+  mutable std::size_t largest_size_ = 0;
+  mutable bool largest_known_ = false;
 
   mutable pool_lock mutex_;
   node_arena arena_;  // declared before the containers that use it
