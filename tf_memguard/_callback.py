@@ -54,7 +54,9 @@ class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
 
     The batch size is taken from the argument if given, else from the running fit()
     call's ``batch_size`` for array data (Keras' default of 32 when it is None), else from
-    a ``tf.data`` dataset's static batch dimension; without it there is no advice.
+    a ``tf.data`` dataset's static batch dimension or the size its ``batch()`` was given
+    (through prefetch, map, shuffle, repeat, cache, take and the like); without it there
+    is no advice.
 
     A leak is flagged when the bytes live at the end of an epoch grew in each of the last
     ``leak_epochs`` epochs by more than 1 MiB and 1% of the peak.

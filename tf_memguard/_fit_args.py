@@ -30,17 +30,57 @@ def is_arrays(data):
 
 def batch_size(fit_args):
     """fit()'s batch size: its argument for arrays (Keras' default of 32 when None), else a
-    tf.data dataset's static batch dimension, else None."""
+    tf.data dataset's static batch dimension, else the size its batch() was given, else
+    None."""
     import keras
     x = fit_args.get("x")
     if is_arrays(x):
         return fit_args.get("batch_size") or 32
     spec = getattr(x, "element_spec", None)
-    if spec is not None:
-        dims = {leaf.shape[0] for leaf in keras.tree.flatten(spec) if getattr(leaf, "shape", None) is not None
-                and len(leaf.shape) > 0 and leaf.shape[0] is not None}
-        if len(dims) == 1:
-            return int(dims.pop())
+    if spec is None:
+        return None
+    leaves = [leaf for leaf in keras.tree.flatten(spec) if getattr(leaf, "shape", None) is not None
+              and leaf.shape.rank is not None and len(leaf.shape) > 0]
+    dims = {leaf.shape[0] for leaf in leaves}
+    if len(dims) == 1 and None not in dims:
+        return int(dims.pop())
+    # batch() without drop_remainder leaves the batch dimension unknown (the last batch
+    # can be short), and that is how most pipelines batch: the size is batch()'s argument.
+    size = dataset_batch_size(x)
+    if size is not None and all(d is None or d == size for d in dims):
+        return size
+    return None
+
+
+# tf.data transformations after batch() that keep its batch dimension (their elements are
+# the batches), by class name (TensorFlow 2.21's tensorflow/python/data/ops/).
+_KEEPS_BATCHES = frozenset({
+    "_PrefetchDataset", "_MapDataset", "_ParallelMapDataset", "_RepeatDataset", "CacheDataset",
+    "_CacheDataset", "_MemoryCacheDataset", "_ShuffleDataset", "_TakeDataset", "_SkipDataset", "_FilterDataset",
+    "_OptionsDataset", "_ShardDataset", "_AssertCardinalityDataset", "_IgnoreErrorsDataset",
+})
+_BATCHES = frozenset({"_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset"})
+
+
+def dataset_batch_size(dataset):
+    """The batch size a tf.data pipeline's last batch() was given, found by walking from
+    `dataset` through transformations that keep batches (prefetch, map, shuffle, repeat,
+    cache, take, ...); None when another transformation (unbatch, rebatch, window, a
+    zip, ...) comes first, or there is no batch()."""
+    for _ in range(256):  # a pipeline is a chain; the bound only guards against a cycle
+        name = type(dataset).__name__
+        if name in _BATCHES:
+            size = getattr(dataset, "_batch_size", None)
+            try:
+                size = int(size.numpy()) if hasattr(size, "numpy") else int(size)
+            except (TypeError, ValueError):
+                return None
+            return size if size > 0 else None
+        if name not in _KEEPS_BATCHES:
+            return None
+        dataset = getattr(dataset, "_input_dataset", None)
+        if dataset is None:
+            return None
     return None
 
 

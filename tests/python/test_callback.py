@@ -417,6 +417,49 @@ def test_find_batch_size_restores_the_model_exactly_and_its_answer_trains():
     assert r.data["fraction"] + r.data["copy"] / (128 << 20) >= 0.85, r.data
 
 
+def test_the_batch_size_of_a_tf_data_pipeline_is_read_from_its_batch():
+    r = run("""
+        import numpy as np, tensorflow as tf
+        from tf_memguard._fit_args import batch_size
+        x = np.zeros((100, 4), np.float32)
+        base = tf.data.Dataset.from_tensor_slices((x, x))
+        cases = {
+            "batch": base.batch(16),
+            "after_batch": base.shuffle(10).batch(16).map(lambda a, b: (a * 2, b)).cache().repeat().prefetch(2)
+                              .take(5).with_options(tf.data.Options()),
+            "static": base.batch(16, drop_remainder=True),
+            "padded": tf.data.Dataset.from_tensor_slices(x).padded_batch(8).prefetch(1),
+            "parallel": base.batch(8, num_parallel_calls=2),
+            "rebatched": base.batch(8).unbatch().batch(5),
+            "unbatched": base.batch(8).unbatch(),
+            "rebatch": base.batch(8).rebatch(4),
+            "zipped": tf.data.Dataset.zip((base.batch(8), base.batch(8))),
+            "none": base,
+        }
+        emit(**{k: batch_size({"x": ds}) for k, ds in cases.items()})
+    """)
+    assert r.returncode == 0, r
+    # An element with a static first dimension is a batch as fit() sees it ("unbatched",
+    # "none": elements of shape (4,)); where batch()'s size is not the elements' (rebatch,
+    # zip of two pipelines) there is no answer.
+    assert r.data == {"batch": 16, "after_batch": 16, "static": 16, "padded": 8, "parallel": 8, "rebatched": 5,
+                      "unbatched": 4, "rebatch": None, "zipped": None, "none": 4}, r.data
+
+
+def test_a_fit_on_a_batched_dataset_gets_advice_without_being_told_the_batch_size():
+    r = run(SETUP, """
+        tf_memguard.install(max_bytes="128MiB")
+        m = make()
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256).batch(64).prefetch(2)  # 1,024 samples
+        cb = tf_memguard.MemGuardCallback(verbose=0)
+        m.fit(ds, epochs=2, verbose=0, callbacks=[cb])
+        emit(suggested=cb.report.suggested_batch_size, method=cb.report.suggestion_method)
+    """, env=HARD)
+    assert r.returncode == 0, r
+    # The README's CNN under 128 MiB trains at 370 and more with arrays: far above 64.
+    assert r.data["suggested"] is not None and r.data["suggested"] > 128, r.data
+
+
 def test_leak_rule():
     from tf_memguard._report import leak_verdict
     MiB = 1 << 20
