@@ -19,7 +19,8 @@ can choose. Hence:
   RuntimeError saying how to get a hard budget (nothing is installed: the process goes
   on as it was);
 - TF_ENABLE_ONEDNN_OPTS=1 set by the user keeps oneDNN: install() warns that its kernels'
-  requests can pass the budget.
+  requests can pass the budget. A 0 set after `import tensorflow` came too late: the
+  same RuntimeError.
 """
 import os
 import sys
@@ -56,7 +57,10 @@ def check_install():
     if not enabled():
         return
     value = os.environ.get(VAR)
-    if value is None or value == set_at_import:
+    # Asked for: a true value (as TensorFlow reads it) that tf_memguard did not set. A
+    # "0" with oneDNN on was set after `import tensorflow`: too late, as no value at all.
+    asked = value is not None and value != set_at_import and value.strip().lower() in ("1", "true")
+    if not asked:
         raise RuntimeError(
             "tf_memguard.install(): TensorFlow was imported before tf_memguard with its oneDNN kernels on "
             "(TensorFlow's default on CPUs with AVX-512). oneDNN kernels crash when an allocation is refused, so "

@@ -220,13 +220,17 @@ def test_tensorflow_imported_first_with_onednn_on_by_default_makes_install_raise
         import tf_memguard
         from tensorflow.python.util import _pywrap_util_port
         onednn = bool(_pywrap_util_port.IsMklEnabled())
-        try:
-            tf_memguard.install(max_bytes="160MiB")
-            error = None
-        except RuntimeError as e:
-            error = str(e)
+        def attempt():
+            try:
+                tf_memguard.install(max_bytes="160MiB")
+                return None
+            except RuntimeError as e:
+                return str(e)
+        error = attempt()
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"   # too late: TensorFlow read it at import
+        late = attempt()
         # Nothing installed, and TensorFlow goes on working.
-        emit(onednn=onednn, error=error, limit=tf_memguard.stats()["bytes_limit"],
+        emit(onednn=onednn, error=error, late=late, limit=tf_memguard.stats()["bytes_limit"],
              total=float(tf.reduce_sum(tf.ones([8]))))
     """, env=UNSET_ONEDNN)
     assert r.returncode == 0, r
@@ -236,6 +240,7 @@ def test_tensorflow_imported_first_with_onednn_on_by_default_makes_install_raise
     assert d["error"] is not None, d
     assert "import tf_memguard before tensorflow and keras" in d["error"]
     assert "TF_ENABLE_ONEDNN_OPTS=0" in d["error"] and "Nothing was installed" in d["error"]
+    assert d["late"] == d["error"], d
     assert d["limit"] == 0 and d["total"] == 8.0, d
 
 
