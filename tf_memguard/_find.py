@@ -48,7 +48,9 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         The batch size (an int).
 
     Raises:
-        ValueError: the model is not compiled, there is no budget, or x is empty.
+        ValueError: the model is not compiled, there is no budget, x is empty, or x is
+            not arrays (a tf.data dataset, a generator, a PyDataset: their batches are
+            their own).
         tf_memguard.OutOfBudgetError: not even the first batch size tried fits; the
             message says which budget would.
 
@@ -60,6 +62,13 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     import keras
     if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
         raise ValueError("find_batch_size(model=...): compile the model first (model.compile(...))")
+    if not _sliceable(x) or (y is not None and not _sliceable(y)):
+        kind = type(x).__name__
+        raise ValueError(
+            f"find_batch_size(x=<{kind}>): takes arrays (numpy arrays or tensors, or a structure of them, as "
+            "fit(x, y) does), whose batch size it can choose; a tf.data dataset, generator or PyDataset fixes "
+            "its own batches. Pass the arrays, or train on the dataset with MemGuardCallback, whose warning and "
+            "report name the batch size that fits")
     n = min(len(a) for a in keras.tree.flatten(x))
     if n < 1:
         raise ValueError("find_batch_size(x=...): x holds no samples")
@@ -188,6 +197,16 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         if budget != previous and previous:
             pool.set_limit(previous)
     return max(1, int(size))
+
+
+def _sliceable(data):
+    """Arrays or tensors with a first dimension, or a structure of them: what fit() can
+    batch at any size (a tf.data dataset, though it has a length, is batches already)."""
+    import keras
+    if data is None or hasattr(data, "element_spec"):
+        return False
+    leaves = keras.tree.flatten(data)
+    return bool(leaves) and all(getattr(a, "shape", None) is not None and len(a.shape) > 0 for a in leaves)
 
 
 def _arrays(data):

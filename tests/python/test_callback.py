@@ -417,6 +417,31 @@ def test_find_batch_size_restores_the_model_exactly_and_its_answer_trains():
     assert r.data["fraction"] + r.data["copy"] / (128 << 20) >= 0.85, r.data
 
 
+def test_find_batch_size_refuses_a_dataset_with_a_clear_error_and_changes_nothing():
+    # A batched dataset has a length (its batches) and was taken for 10 samples: the
+    # answer was 10, meaningless; an infinite one raised TypeError("The dataset is infinite").
+    r = run(SETUP, """
+        tf_memguard.install(max_bytes="128MiB")
+        m = make()
+        w0 = [w.copy() for w in m.get_weights()]
+        errors = []
+        for data in (tf.data.Dataset.from_tensor_slices((x, y)).batch(64),
+                     tf.data.Dataset.from_tensor_slices((x, y)).batch(64).repeat()):
+            try:
+                tf_memguard.find_batch_size(m, data)
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        same = all(np.array_equal(a, b) for a, b in zip(w0, m.get_weights()))
+        emit(errors=errors, same=same, limit=tf_memguard.stats()["bytes_limit"])
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert all(e is not None and e.startswith("find_batch_size(x=<") and "takes arrays" in e and "MemGuardCallback" in e
+               for e in d["errors"]), d
+    assert d["same"] is True and d["limit"] == 128 << 20, d
+
+
 def test_the_batch_size_of_a_tf_data_pipeline_is_read_from_its_batch():
     r = run("""
         import numpy as np, tensorflow as tf
