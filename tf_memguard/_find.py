@@ -1,6 +1,7 @@
 """find_batch_size(): the largest batch size that fits, from the memory model of two
 recorded steps of fit(), without a full run."""
 from tf_memguard import _backend, _core, _install
+from tf_memguard._fit_args import is_sliceable
 from tf_memguard._memory_model import StepModel, StepModels
 from tf_memguard._recording import (SHORTFALL_FLAGS, Snapshot, StepRecorder, abort_all, epoch_of, fit_steps, joined,
                                     prepared_bytes, stale_batches, unmet_prepared, without_blocks)
@@ -62,13 +63,14 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     import keras
     if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
         raise ValueError("find_batch_size(model=...): compile the model first (model.compile(...))")
-    if not _sliceable(x) or (y is not None and not _sliceable(y)):
-        kind = type(x).__name__
-        raise ValueError(
-            f"find_batch_size(x=<{kind}>): takes arrays (numpy arrays or tensors, or a structure of them, as "
-            "fit(x, y) does), whose batch size it can choose; a tf.data dataset, generator or PyDataset fixes "
-            "its own batches. Pass the arrays, or train on the dataset with MemGuardCallback, whose warning and "
-            "report name the batch size that fits")
+    for name, data in (("x", x), ("y", y)):
+        if (data is not None or name == "x") and not is_sliceable(data):
+            raise ValueError(
+                f"find_batch_size({name}=<{type(data).__name__}>): takes arrays (numpy arrays or tensors, or a "
+                "structure of them, as fit(x, y) does), whose batch size it can choose; a tf.data dataset, "
+                "generator or PyDataset fixes "
+                "its own batches. Pass the arrays, or train on the dataset with MemGuardCallback, whose warning "
+                "and report name the batch size that fits")
     n = min(len(a) for a in keras.tree.flatten(x))
     if n < 1:
         raise ValueError("find_batch_size(x=...): x holds no samples")
@@ -197,16 +199,6 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         if budget != previous and previous:
             pool.set_limit(previous)
     return max(1, int(size))
-
-
-def _sliceable(data):
-    """Arrays or tensors with a first dimension, or a structure of them: what fit() can
-    batch at any size (a tf.data dataset, though it has a length, is batches already)."""
-    import keras
-    if data is None or hasattr(data, "element_spec"):
-        return False
-    leaves = keras.tree.flatten(data)
-    return bool(leaves) and all(getattr(a, "shape", None) is not None and len(a.shape) > 0 for a in leaves)
 
 
 def _arrays(data):

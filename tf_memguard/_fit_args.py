@@ -28,6 +28,17 @@ def is_arrays(data):
                                 and len(a.shape) > 0 for a in leaves)
 
 
+def is_sliceable(data):
+    """Arrays or tensors with a first dimension, or a structure of them: what fit() can
+    batch at any size (unlike is_arrays(), tensors too; a tf.data dataset, though it has a
+    length, is batches already)."""
+    import keras
+    if data is None or hasattr(data, "element_spec"):
+        return False
+    leaves = keras.tree.flatten(data)
+    return bool(leaves) and all(getattr(a, "shape", None) is not None and len(a.shape) > 0 for a in leaves)
+
+
 def batch_size(fit_args):
     """fit()'s batch size: its argument for arrays (Keras' default of 32 when None), else a
     tf.data dataset's static batch dimension, else the size its batch() was given, else
