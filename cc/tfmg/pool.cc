@@ -258,8 +258,7 @@ void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
   return reinterpret_cast<void*>(b->addr);
 }
 
-bool pool::back_block_locked(block* b, bool* device_full) {
-  pooled_peak_ = std::max(pooled_peak_, pooled_in_use_ + b->size);
+bool pool::back_block_slow_locked(block* b, bool* device_full) {
   if (b->backed && backed_ <= budget_left_locked()) {
     // Nothing to back and nothing to take back (what the general path below does in
     // this case, without asking the upstream).
