@@ -324,13 +324,43 @@ int seeds_main(const std::string& dir, const char* out) {
   return 0;
 }
 
+// `gpu_proof TRACE_DIR OUT.json timing`: only the pool's ns/op on each trace (as in the
+// full run: one untimed pass, the median of three timed), a pass of a few seconds, so
+// that two builds of the core can be run alternately many times in one call
+// (run_h200_ab.sh): on this machine one build's time moved 1.5-2x between passes.
+int timing_main(const std::string& dir, const char* out) {
+  const char* names[] = {"pairs_512", "pairs_64k", "pairs_4m", "churn_100", "churn_2000", "churn_10000"};
+  std::ostringstream js;
+  js << "{";
+  bool first = true;
+  for (const char* name : names) {
+    trace t;
+    if (!load_trace(dir, name, &t)) {
+      std::fprintf(stderr, "missing trace %s\n", name);
+      return 2;
+    }
+    double cold_ns = 0;
+    const double p_ns = pool_ns(t, 4 * t.peak_live + (64u << 20), &cold_ns);
+    std::printf("%-12s %8.1f\n", name, p_ns);
+    js << (first ? "" : ", ") << "\"" << name << "\": " << p_ns;
+    first = false;
+  }
+  js << "}\n";
+  std::ofstream(out) << js.str();
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc == 4 && std::strcmp(argv[3], "seeds") == 0) {
     CUDA_OK(cudaSetDevice(0));
     return seeds_main(argv[1], argv[2]);
   }
+  if (argc == 4 && std::strcmp(argv[3], "timing") == 0) {
+    CUDA_OK(cudaSetDevice(0));
+    return timing_main(argv[1], argv[2]);
+  }
   if (argc != 3) {
-    std::fprintf(stderr, "usage: gpu_proof TRACE_DIR OUT.json [seeds]\n");
+    std::fprintf(stderr, "usage: gpu_proof TRACE_DIR OUT.json [seeds|timing]\n");
     return 2;
   }
   const std::string dir = argv[1];
