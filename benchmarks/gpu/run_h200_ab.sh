@@ -6,7 +6,8 @@
 # traces only (a few seconds); PAIRS (default 9) times this core, then the other, each
 # pass a fresh process. The host's timings move 1.5-2x from pass to pass on this machine
 # (benchmarks/NOTES.md), so a figure is the median of many alternated passes, and the
-# comparison is their ratio. Writes $OUT/ab_new_I.json and $OUT/ab_old_I.json.
+# comparison is their ratio. Writes $OUT/gpu_h200_ab.json: every pass's figures, the
+# medians, their ratios, the host's processor and load.
 set -euo pipefail
 OLD=${1:?usage: run_h200_ab.sh OLD_SRC [PAIRS]}
 PAIRS=${2:-9}
@@ -24,12 +25,21 @@ for i in $(seq 1 "$PAIRS"); do
   /tmp/gpu_proof_old /tmp/tfmg_traces "$OUT/ab_old_$i.json" timing > /dev/null
 done
 python3 - "$OUT" "$PAIRS" <<'PY'
-import json, statistics, sys
+import json, os, platform, statistics, sys
 out, pairs = sys.argv[1], int(sys.argv[2])
 new = [json.load(open(f"{out}/ab_new_{i}.json")) for i in range(1, pairs + 1)]
 old = [json.load(open(f"{out}/ab_old_{i}.json")) for i in range(1, pairs + 1)]
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
+summary = {"pairs": pairs, "cpu": cpu, "loadavg": open("/proc/loadavg").read().split()[:3], "traces": {}}
 print(f"{'trace':<12} {'this core':>10} {'other':>10} {'ratio':>7}  (median ns/op of {pairs} alternated passes)")
 for k in new[0]:
     n, o = statistics.median(r[k] for r in new), statistics.median(r[k] for r in old)
+    summary["traces"][k] = {"this_core_ns_per_op": [r[k] for r in new], "other_core_ns_per_op": [r[k] for r in old],
+                            "this_core_median": n, "other_core_median": o, "ratio": round(n / o, 3)}
     print(f"{k:<12} {n:10.1f} {o:10.1f} {n / o:7.3f}")
+json.dump(summary, open(f"{out}/gpu_h200_ab.json", "w"), indent=1)
+for i in range(1, pairs + 1):
+    os.remove(f"{out}/ab_new_{i}.json")
+    os.remove(f"{out}/ab_old_{i}.json")
+print("cpu:", cpu, "load:", summary["loadavg"])
 PY
