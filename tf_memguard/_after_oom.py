@@ -6,7 +6,8 @@ data is out of the pool (its exception released), short fit() runs on all the sa
 smaller sizes make the model: down from half the failed size until one completes, then up
 where the model says the limit is. The answer is the largest size whose run completed
 (and, where the runs went up, whose run of CONFIRM_STEPS steps completed): the model
-picks where to look, the runs decide.
+picks where to look, the runs decide. On a tf.data dataset the short runs are on its first
+batches as arrays, with room for what its pipeline holds beside the steps (_dataset_sample).
 """
 from tf_memguard import _recording
 from tf_memguard._memory_model import StepModel, StepModels
@@ -46,6 +47,9 @@ def model_after_oom(sampler, model):
     no complete step could be had."""
     if not sampler.after_oom_needs_steps():
         return sampler.model()
+    # On a tf.data dataset: its first batches, as arrays, for the short runs.
+    if not sampler.sample_dataset():
+        return None
     budget = sampler.pool.stats()["bytes_limit"]
     copies = sampler.copy_sizes()
     room = budget - sum(copies)
@@ -60,13 +64,15 @@ def model_after_oom(sampler, model):
     # Once a step without it is met, the models take every step without it and leave
     # room for it; while every step has it, they take the steps as they ran (the copy
     # where it lay: on the two-input model, room instead named 446, which ran out).
-    without = [bool(copies) and sampler.prefix is not None and not has_copy(sampler.prefix)]
+    # (On a sample of a dataset the retry makes no copy: the steps are taken without it.)
+    without = [bool(copies) and (sampler.from_dataset or sampler.prefix is not None and not has_copy(sampler.prefix))]
 
     def plain(trace):
         return _recording.without_blocks(trace, copies, kind="input") if without[0] else trace
 
     def limit():
-        return room if without[0] else budget
+        # A retry on a dataset makes no copy of arrays: only the short runs on the sample do.
+        return room if without[0] and not sampler.from_dataset else budget
 
     # What tf.data had prepared ahead, per sample: the most the failed fit()'s steps
     # and the short runs' steps met (a short run's second step can begin with none of
@@ -78,7 +84,8 @@ def model_after_oom(sampler, model):
 
     def build(template, other=None):
         extra = _recording.joined(unmet(template), _recording.stale_batches(sampler.x, sampler.y,
-                                                                            template.batch_size))
+                                                                            template.batch_size),
+                                  sampler.pipeline_extra())
         return StepModel.build(plain(template), plain(other) if other is not None else None,
                                extra_start=extra, epoch=sampler.epoch)
 
@@ -92,13 +99,15 @@ def model_after_oom(sampler, model):
         # where with it nothing fits); for a retry whose steps meet tf.data's
         # prepared batches only if it met them too, or fits with them; and on Keras'
         # torch backend, where no run shows whether the batches before its step's own
-        # were still live (_recording.STALE_BATCHES), only if it fits with them.
+        # were still live (_recording.STALE_BATCHES), only if it fits with them; on a
+        # sample of a dataset, only if it fits with the pipeline's buffers, which the run
+        # on arrays did not meet.
         if trace is None or not trace.complete:
             return False
         per_sample.append(_recording.prepared_bytes(trace) / trace.batch_size)
         if copies and not has_copy(trace):
             without[0] = True
-        elif unmet(trace) is None and not stale:
+        elif unmet(trace) is None and not stale and not sampler.from_dataset:
             return True
         return build(trace).fits(trace.batch_size, limit())
 

@@ -128,7 +128,8 @@ class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
             self._sampler = StepSampler(self._pool, self._run_batch, n_samples=self._n,
                                         steps_per_epoch=(self.params or {}).get("steps"),
                                         x=x if arrays else None, y=y if arrays else None,
-                                        own_epochs=fit_args.get("steps_per_epoch") is None)
+                                        own_epochs=fit_args.get("steps_per_epoch") is None,
+                                        dataset=x if _fit_args.is_dataset(x) else None)
         self._epoch = 0
         self._warned = False
         self._oom = None

@@ -132,7 +132,8 @@ class FailureHandling:
                     suggestion = self._suggest(below=self._sampler.advice_cap() + 1)
             if suggestion is not None:
                 self._suggestion = suggestion
-            message = _oom.explain(self._device, refusal, suggestion, self._run_batch, deferred=pending is not None)
+            message = _oom.explain(self._device, refusal, suggestion, self._run_batch, deferred=pending is not None,
+                                   dataset=self._sampler is not None and self._sampler.x is None)
         self._oom = message
         self._tell_cluster()
         self._add_note(error, self._oom)
@@ -164,6 +165,13 @@ class FailureHandling:
         report.suggested_batch_size = suggestion.batch_size if suggestion else None
         report.suggestion_method = suggestion.method if suggestion else ""
         report.advice = _advice.advice_sentence(suggestion, self._run_batch) if suggestion else ""
+        if report.advice and self._sampler.from_dataset and not suggestion.fits_none:
+            report.advice += f" The dataset fixes its own batches: build it with .batch({suggestion.batch_size})."
+        elif suggestion is None and self._sampler.dataset_gone():
+            report.advice = ("No batch size was worked out: the dataset given to fit() is gone (nothing kept a "
+                             "reference to it), and its batches are what the short runs are made of. Keep it in a "
+                             "variable for the suggestion.")
+
         report.memory_model = model.to_dict() if model is not None else report.memory_model
 
     def _stop_for_overshoot(self, kind, stats):

@@ -39,6 +39,13 @@ def is_sliceable(data):
     return bool(leaves) and all(getattr(a, "shape", None) is not None and len(a.shape) > 0 for a in leaves)
 
 
+def is_dataset(data):
+    """True for a tf.data dataset."""
+    import sys
+    tf = sys.modules.get("tensorflow")  # a dataset exists only if TensorFlow was imported
+    return tf is not None and isinstance(data, tf.data.Dataset)
+
+
 def batch_size(fit_args):
     """fit()'s batch size: its argument for arrays (Keras' default of 32 when None), else a
     tf.data dataset's static batch dimension, else the size its batch() was given, else

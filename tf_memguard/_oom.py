@@ -41,10 +41,11 @@ def largest_free(refusal):
     return format_bytes(largest)
 
 
-def explain(device, refusal, suggestion=None, running=None, deferred=False):
+def explain(device, refusal, suggestion=None, running=None, deferred=False, dataset=False):
     """The note for an out-of-memory error: what was refused, what held the budget, and
     what to do (`suggestion`: an _advice.Suggestion, or None when none could be made;
-    `deferred`: the suggestion is worked out when the report is read)."""
+    `deferred`: the suggestion is worked out when the report is read; `dataset`: from a
+    sample of a tf.data dataset's batches)."""
     req = refusal["requested_bytes"]
     outside = refusal["passthrough_bytes_in_use"]
     in_use = refusal["bytes_in_use"] - outside
@@ -58,7 +59,8 @@ def explain(device, refusal, suggestion=None, running=None, deferred=False):
         return text + (f" Reduce the batch size{now}: after the except block and gc.collect(), "
                        "tf_memguard.report().suggested_batch_size is the largest that fits (or 0, with the budget "
                        "that would fit in the report), worked out when read with two short steps of fit() at "
-                       "smaller sizes; until then this error holds the failed fit()'s data, which the retry will "
+                       "smaller sizes" + (" on the dataset's first batches, taken as arrays" if dataset else "") +
+                       "; until then this error holds the failed fit()'s data, which the retry will "
                        "not meet. Retry after the except block.")
     if suggestion is not None:
         text += " " + _advice.advice_sentence(suggestion, running)

@@ -24,8 +24,9 @@ runs of its own on all the samples at smaller sizes (down to one that completes,
 up: _after_oom).
 """
 import warnings
+import weakref
 
-from tf_memguard import _after_oom, _backend, _core, _recording
+from tf_memguard import _after_oom, _backend, _core, _dataset_sample, _recording
 from tf_memguard._memory_model import StepModel, StepModels, order_gap
 
 # The smallest partial last batch used as the second size, as a share of b0: below that,
@@ -48,11 +49,17 @@ MAX_NESTED_RUNS = 4
 class StepSampler:
     """Records the steps of one fit() run and makes the StepModel of its training step."""
 
-    def __init__(self, pool, batch_size, n_samples=None, steps_per_epoch=None, x=None, y=None, own_epochs=True):
+    def __init__(self, pool, batch_size, n_samples=None, steps_per_epoch=None, x=None, y=None, own_epochs=True,
+                 dataset=None):
         self.pool = pool
         self.b0 = int(batch_size)
         self.n = n_samples
         self.x, self.y = x, y
+        # A tf.data dataset fit() was given instead of arrays (weakly: a report kept must
+        # not keep it, and its tensors, alive): after an OOM, a sample of its batches as
+        # arrays stands in for x and y (sample_dataset()).
+        self._dataset = weakref.ref(dataset) if dataset is not None else None
+        self.from_dataset = False
         self.steps = steps_per_epoch
         self.recorder = _recording.StepRecorder(pool)
         self.tf = _backend.framework() == "tensorflow"
@@ -284,6 +291,8 @@ class StepSampler:
         if self.after_oom:
             what = ("the memory model of short fit() runs after the out-of-memory error at " +
                     ", ".join(str(b) for b in self.after_oom) + f" (refused at {self.b0})")
+            if self.from_dataset:
+                what += f", on the dataset's first {self.n} samples as arrays"
             what += "; the largest that completed"
             if self.confirmed:
                 what += f" (and a run of {self.confirmed[1]} steps at {self.confirmed[0]})"
@@ -296,9 +305,48 @@ class StepSampler:
 
     def after_oom_needs_steps(self):
         """True when the advice after the refused step needs steps of its own (array data,
-        and no complete step recorded at the failed size); else model_after_oom() is the
-        recorded steps' model."""
-        return self.x is not None and self.prefix is not None and self.template is None
+        or a tf.data dataset to sample them from, and no complete step recorded at the
+        failed size); else model_after_oom() is the recorded steps' model."""
+        return (self.x is not None or self._dataset is not None) and self.prefix is not None \
+            and self.template is None
+
+    def sample_dataset(self):
+        """With no arrays but a tf.data dataset: its first batches (_dataset_sample.BATCHES
+        of the failed size) as arrays become x and y, the samples they hold n, and nothing
+        bounds the batches the pipeline prepares (epoch None: the dataset's size is its
+        own). True when there are arrays to run steps on."""
+        if self.x is not None:
+            return True
+        dataset = self._dataset() if self._dataset is not None else None
+        if dataset is None or not self.tf:
+            return False
+        try:
+            arrays = _dataset_sample.sample_arrays(dataset, _dataset_sample.BATCHES * self.b0)
+        except Exception as e:  # noqa: BLE001 - the advice must never stop the training
+            warnings.warn(f"tf_memguard: no sample of the dataset's batches could be taken for the advice after "
+                          f"the out-of-memory error ({type(e).__name__}: {e})", stacklevel=4)
+            return False
+        finally:
+            del dataset
+        if arrays is None:
+            return False
+        import keras
+        self.x, self.y = arrays
+        self.n = min(len(a) for a in keras.tree.flatten(self.x))
+        self.epoch = None
+        self.from_dataset = True
+        return True
+
+    def dataset_gone(self):
+        """True when fit() was given a dataset that no one keeps any more (so no sample of
+        it can be taken after an OOM)."""
+        return self.x is None and self._dataset is not None and self._dataset() is None
+
+    def pipeline_extra(self):
+        """After an OOM on a dataset: its pipeline's buffers that do not grow with the batch,
+        as measured in the failed step, as one more block at a step's start (short runs on
+        arrays do not meet them; _dataset_sample.pipeline_extra), or None."""
+        return _dataset_sample.pipeline_extra(self.prefix) if self.from_dataset else None
 
     def use_model(self, model):
         """Makes `model` (StepModels) the one model() returns from now on; returns it."""

@@ -485,6 +485,63 @@ def test_a_fit_on_a_batched_dataset_gets_advice_without_being_told_the_batch_siz
     assert r.data["suggested"] is not None and r.data["suggested"] > 128, r.data
 
 
+def test_after_an_oom_on_a_dataset_a_sample_of_its_batches_gives_a_size_that_trains():
+    # A tf.data pipeline fixes its own batches, and the short runs after an OOM need arrays:
+    # they run on its first batches, taken as arrays, with room for what its pipeline holds
+    # beside the step (a shuffle buffer, a map's elements). Before, no size was suggested.
+    r = run(SETUP, """
+        import gc
+        tf_memguard.install(max_bytes="128MiB")
+        x, y = pattern_images(2048)
+        def pipeline(size):
+            return (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512)
+                    .map(lambda a, b: (tf.image.random_flip_left_right(a), b)).batch(size).prefetch(2))
+        m = make()
+        ds = pipeline(1024)
+        try:
+            m.fit(ds, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            outcome, notes = "trained", ""
+        except tf.errors.ResourceExhaustedError as e:
+            outcome, notes = type(e).__name__, "\\n".join(getattr(e, "__notes__", []))
+            del e
+        gc.collect()
+        rep = tf_memguard.report()
+        size, method, advice = rep.suggested_batch_size, rep.suggestion_method, rep.advice
+        ds = pipeline(size)   # the user's retry: the pipeline rebuilt at the suggested size
+        gc.collect()
+        loss = m.fit(ds, epochs=2, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)]).history["loss"][-1]
+        emit(outcome=outcome, notes=notes, size=size, method=method, advice=advice, loss=loss,
+             peak_reserved=tf_memguard.stats()["peak_bytes_reserved"])
+    """, env=HARD, timeout=900)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["outcome"] == "ResourceExhaustedError", d
+    assert "on the dataset's first batches, taken as arrays" in d["notes"], d["notes"]
+    assert d["size"] is not None and 32 <= d["size"] < 1024, d
+    assert "on the dataset's first" in d["method"] and f".batch({d['size']})" in d["advice"], d
+    assert d["loss"] > 0 and d["peak_reserved"] <= 128 << 20, d
+
+
+def test_after_an_oom_on_a_dataset_no_one_kept_the_advice_says_why_there_is_no_size():
+    r = run(SETUP, """
+        import gc
+        tf_memguard.install(max_bytes="128MiB")
+        m = make()
+        try:
+            m.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(1024), epochs=1, verbose=0,
+                  callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        except tf.errors.ResourceExhaustedError as e:
+            del e
+        gc.collect()
+        rep = tf_memguard.report()
+        emit(size=rep.suggested_batch_size, advice=rep.advice, in_use=tf_memguard.stats()["bytes_in_use"])
+    """, env=HARD)
+    assert r.returncode == 0, r
+    assert r.data["size"] is None and "Keep it in a variable" in r.data["advice"], r.data
+    # The dataset is not kept alive by the callback or the report: its tensors are gone.
+    assert r.data["in_use"] < 8 << 20, r.data
+
+
 def test_leak_rule():
     from tf_memguard._report import leak_verdict
     MiB = 1 << 20

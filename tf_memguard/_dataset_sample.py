@@ -1,0 +1,74 @@
+"""After an out-of-memory error in a fit() on a tf.data dataset: a sample of its batches as
+arrays, for the short fit() runs that work out the batch size that fits.
+
+The short runs need data they can batch at any size, and a dataset fixes its own
+batches. Its first batches, taken through the whole pipeline (every map, before and
+after batch(), applied as in training), are what the model is fed, so they are sampled
+as numpy arrays (host memory, outside the pool). What the short runs on those arrays do
+not meet is the pipeline itself: its buffers that do not grow with the batch size
+(shuffle buffers, elements made by maps), which pipeline_buffers() measures in the failed
+step, and the batches it prepares ahead, which the models take from the failed step as
+they do for arrays (_recording.unmet_prepared).
+"""
+import numpy as np
+
+from tf_memguard import _core
+from tf_memguard._memory_model import _ALLOC, _FREE, _OVERSHOOT, kind_of
+
+# Samples taken, in batches of the failed size: the short runs after the OOM go up to
+# just under it, and a run that confirms a size takes four of its batches
+# (_after_oom.CONFIRM_STEPS).
+BATCHES = 4
+
+
+def sample_arrays(dataset, samples):
+    """(x, y) of the first `samples` samples of `dataset`'s batches (a fresh iterator), as
+    numpy arrays or structures of them (y None when its elements have no targets); None
+    when it yields none, or not arrays with a batch dimension."""
+    import keras
+    got, n = [], 0
+    for batch in dataset.take(samples):  # a batch has a sample at least
+        arrays = keras.tree.map_structure(lambda t: np.array(t, copy=True), batch)
+        leaves = keras.tree.flatten(arrays)
+        if not leaves or any(a.ndim == 0 for a in leaves):
+            return None
+        got.append(arrays)
+        n += min(len(a) for a in leaves)
+        if n >= samples:
+            break
+    if not got:
+        return None
+    joined = keras.tree.map_structure(lambda *parts: np.concatenate(parts)[:samples], *got)
+    x, y, _ = keras.utils.unpack_x_y_sample_weight(tuple(joined) if isinstance(joined, list) else joined)
+    return x, y
+
+
+def pipeline_buffers(trace):
+    """The most bytes of tf.data's blocks not shaped by the batch live at once in `trace`
+    (its start, then its events): the pipeline's buffers whatever its batch size
+    (shuffle buffers, elements of maps), which short runs on arrays do not meet."""
+    data = _core.KINDS.index("data")
+
+    def pipeline_owned(flags):
+        return kind_of(flags) == data and not int(flags) & _core.ALLOC_BATCH
+    live = {int(a): int(s) for a, s, f in zip(trace.start_address.tolist(), trace.start_size.tolist(),
+                                             trace.start_flags.tolist()) if pipeline_owned(f)}
+    now = most = sum(live.values())
+    for op, addr, size, flags in zip(trace.op.tolist(), trace.address.tolist(), trace.size.tolist(),
+                                     trace.flags.tolist()):
+        if op == _FREE:
+            now -= live.pop(addr, 0)
+        elif op in (_ALLOC, _OVERSHOOT) and pipeline_owned(flags):
+            live[addr] = size
+            now += size
+            most = max(most, now)
+    return most
+
+
+def pipeline_extra(trace):
+    """pipeline_buffers(trace) as one more block live at a step's start ((sizes, flags)
+    for StepModel.build's extra_start: not batch-shaped, so fixed), or None."""
+    size = pipeline_buffers(trace) if trace is not None else 0
+    if size <= 0:
+        return None
+    return [size], [_core.KINDS.index("data") << _core.ALLOC_KIND_SHIFT]
