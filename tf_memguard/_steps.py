@@ -57,8 +57,10 @@ class StepSampler:
         self.x, self.y = x, y
         # A tf.data dataset fit() was given instead of arrays (weakly: a report kept must
         # not keep it, and its tensors, alive): after an OOM, a sample of its batches as
-        # arrays stands in for x and y (sample_dataset()).
-        self._dataset = weakref.ref(dataset) if dataset is not None else None
+        # arrays stands in for x and y (sample_dataset(); on TensorFlow, whose pool
+        # tf.data's buffers are in).
+        tf = _backend.framework() == "tensorflow"
+        self._dataset = weakref.ref(dataset) if dataset is not None and tf else None
         self.from_dataset = False
         self.steps = steps_per_epoch
         self.recorder = _recording.StepRecorder(pool)
@@ -318,7 +320,7 @@ class StepSampler:
         if self.x is not None:
             return True
         dataset = self._dataset() if self._dataset is not None else None
-        if dataset is None or not self.tf:
+        if dataset is None:
             return False
         try:
             arrays = _dataset_sample.sample_arrays(dataset, _dataset_sample.BATCHES * self.b0)
