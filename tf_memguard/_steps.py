@@ -205,6 +205,13 @@ class StepSampler:
             return None
         self._nested_runs += 1
         samples = None if all_samples else min(self.n or NESTED_BATCHES * size + 1, NESTED_BATCHES * size + 1)
+        if all_samples and self.from_dataset:
+            # A retry on the dataset copies no arrays, and the sample's copy is in the pool
+            # while the run lasts (MobileNetV3Small at 160: 31 MB of a 256 MiB budget, and
+            # the runs completed 72 where 84 trains): only the batches the run takes, one
+            # more prepared ahead, and a sample (a partial last batch, so that the step is
+            # traced for an unknown batch dimension, as on a batched dataset).
+            samples = min(self.n, (steps + 1) * size + 1)
         outer = self.pool.live_blocks() if not all_samples else None
         try:
             trace = _recording.fit_steps(model, self.x, self.y, size, self.recorder, samples=samples, steps=steps)
@@ -214,10 +221,11 @@ class StepSampler:
             return None
         finally:
             self.pool.reset_peak()
-        if trace is None or all_samples:
+        if trace is None or (all_samples and samples is None):
             return trace
         align = int(trace.layout.get("alignment", 64))
-        trace = _recording.without_outer_batches(trace, outer)
+        if not all_samples:
+            trace = _recording.without_outer_batches(trace, outer)
         return _recording.without_blocks(trace, self._batch_sizes(samples, align), kind="input")
 
     # -- the model ---------------------------------------------------------------------
