@@ -171,7 +171,6 @@ class FailureHandling:
             report.advice = ("No batch size was worked out: the dataset given to fit() is gone (nothing kept a "
                              "reference to it), and its batches are what the short runs are made of. Keep it in a "
                              "variable for the suggestion.")
-
         report.memory_model = model.to_dict() if model is not None else report.memory_model
 
     def _stop_for_overshoot(self, kind, stats):

@@ -55,16 +55,15 @@ class StepSampler:
         self.b0 = int(batch_size)
         self.n = n_samples
         self.x, self.y = x, y
+        self.steps = steps_per_epoch
+        self.recorder = _recording.StepRecorder(pool)
+        self.tf = _backend.framework() == "tensorflow"
         # A tf.data dataset fit() was given instead of arrays (weakly: a report kept must
         # not keep it, and its tensors, alive): after an OOM, a sample of its batches as
         # arrays stands in for x and y (sample_dataset(); on TensorFlow, whose pool
         # tf.data's buffers are in).
-        tf = _backend.framework() == "tensorflow"
-        self._dataset = weakref.ref(dataset) if dataset is not None and tf else None
+        self._dataset = weakref.ref(dataset) if dataset is not None and self.tf else None
         self.from_dataset = False
-        self.steps = steps_per_epoch
-        self.recorder = _recording.StepRecorder(pool)
-        self.tf = _backend.framework() == "tensorflow"
         # What bounds the batches tf.data prepares ahead: the epoch over the arrays, when
         # fit() makes one of its own per epoch (no steps_per_epoch given).
         self.epoch = _recording.epoch_of(x, y, n_samples) if self.tf and own_epochs and x is not None else None
@@ -208,7 +207,7 @@ class StepSampler:
         if all_samples and self.from_dataset:
             # A retry on the dataset copies no arrays, and the sample's copy is in the pool
             # while the run lasts (MobileNetV3Small at 160: 31 MB of a 256 MiB budget, and
-            # the runs completed 72 where 84 trains): only the batches the run takes, one
+            # the runs completed 72 where 86 trains): only the batches the run takes, one
             # more prepared ahead, and a sample (a partial last batch, so that the step is
             # traced for an unknown batch dimension, as on a batched dataset).
             samples = min(self.n, (steps + 1) * size + 1)
