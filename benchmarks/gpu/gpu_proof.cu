@@ -159,6 +159,19 @@ bool load_trace(const std::string& dir, const std::string& name, trace* t) {
   return static_cast<bool>(bin);
 }
 
+// The traces of alloc_latency.py (dump_traces.py), in its table's order.
+const char* const kTraceNames[] = {"pairs_512", "pairs_64k", "pairs_4m", "churn_100", "churn_2000", "churn_10000"};
+
+bool load_named(const std::string& dir, const char* name, trace* t) {
+  if (load_trace(dir, name, t)) return true;
+  std::fprintf(stderr, "missing trace %s\n", name);
+  return false;
+}
+
+// The budget a trace is timed under: ample (4x its peak live bytes, and 64 MiB), so that
+// the timing is of the index, not of reclaiming at the budget.
+uint64_t timing_budget(const trace& t) { return 4 * t.peak_live + (64u << 20); }
+
 template <class Alloc, class Free>
 double replay_ns(const trace& t, Alloc&& alloc, Free&& free_fn, bool* ok) {
   std::vector<void*> table(t.slots, nullptr);
@@ -329,18 +342,14 @@ int seeds_main(const std::string& dir, const char* out) {
 // that two builds of the core can be run alternately many times in one call
 // (run_h200_ab.sh): on this machine one build's time moved 1.5-2x between passes.
 int timing_main(const std::string& dir, const char* out) {
-  const char* names[] = {"pairs_512", "pairs_64k", "pairs_4m", "churn_100", "churn_2000", "churn_10000"};
   std::ostringstream js;
   js << "{";
   bool first = true;
-  for (const char* name : names) {
+  for (const char* name : kTraceNames) {
     trace t;
-    if (!load_trace(dir, name, &t)) {
-      std::fprintf(stderr, "missing trace %s\n", name);
-      return 2;
-    }
+    if (!load_named(dir, name, &t)) return 2;
     double cold_ns = 0;
-    const double p_ns = pool_ns(t, 4 * t.peak_live + (64u << 20), &cold_ns);
+    const double p_ns = pool_ns(t, timing_budget(t), &cold_ns);
     std::printf("%-12s %8.1f\n", name, p_ns);
     js << (first ? "" : ", ") << "\"" << name << "\": " << p_ns;
     first = false;
@@ -459,19 +468,15 @@ int main(int argc, char** argv) {
   CUDA_OK(cudaDeviceGetDefaultMemPool(&mempool, 0));
   uint64_t threshold = UINT64_MAX;
   CUDA_OK(cudaMemPoolSetAttribute(mempool, cudaMemPoolAttrReleaseThreshold, &threshold));
-  const char* names[] = {"pairs_512", "pairs_64k", "pairs_4m", "churn_100", "churn_2000", "churn_10000"};
   js << "  \"traces\": {\n";
   std::printf("\n%-12s %12s %12s %14s %14s %12s\n", "trace", "pool ns/op", "(1st pass)", "cudaMalloc",
               "cudaMallocAsync", "min budget");
   bool first = true;
-  for (const char* name : names) {
+  for (const char* name : kTraceNames) {
     trace t;
-    if (!load_trace(dir, name, &t)) {
-      std::fprintf(stderr, "missing trace %s\n", name);
-      return 2;
-    }
+    if (!load_named(dir, name, &t)) return 2;
     double cold_ns = 0;
-    const double p_ns = pool_ns(t, 4 * t.peak_live + (64u << 20), &cold_ns);
+    const double p_ns = pool_ns(t, timing_budget(t), &cold_ns);
     bool ok1 = true, ok2 = true;
     const double m_ns = replay_ns(
         t, [](uint64_t n) { void* p = nullptr; return cudaMalloc(&p, n) == cudaSuccess ? p : nullptr; },
@@ -489,7 +494,7 @@ int main(int argc, char** argv) {
     const double mb = churn ? min_budget_over_peak(t, pool_completes) : 0.0;
     std::printf("%-12s %12.1f %12.1f %14.1f %14.1f %12.4f\n", name, p_ns, cold_ns, m_ns, a_ns, mb);
 #ifdef TFMG_WITH_CNMEM
-    const double c_ns = cnmem_ns(t, 4 * t.peak_live + (64u << 20));
+    const double c_ns = cnmem_ns(t, timing_budget(t));
     const double cmb = churn ? min_budget_over_peak(t, cnmem_completes) : 0.0;
     std::printf("%-12s %12.1f %12s %14s %14s %12.4f   (CNMeM)\n", "", c_ns, "", "", "", cmb);
 #endif
