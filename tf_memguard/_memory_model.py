@@ -614,7 +614,12 @@ class StepModels:
     So each model has a domain: "all", "static" (batch sizes that divide `samples`) or
     "dynamic" (the others; also what a static batch size falls back on when no model of
     its own domain exists). A batch size fits when every model of its domain fits; its need
-    is the largest of theirs. The run's first step (it traces the function: graph
+    is the largest of theirs. A size that does not divide the samples must also fit the
+    models of the known-size trace: the trace with an unknown batch dimension needs at
+    least as much (the same graph, fewer shapes known), and its model is one short fit()'s
+    step, a single draw taken inside the run. On the zoo's autoencoder (2,048 samples,
+    240 MiB) the model of such a step at 256 named 1,262, which ran out, where the
+    known-size steps at 512 named 931 (1,139 is the most that trains). The run's first step (it traces the function: graph
     optimization allocates then, and tf.data has not prepared its batches yet) is one model,
     the steady steps another."""
 
@@ -630,11 +635,9 @@ class StepModels:
         return bool(self.samples) and self.samples % int(batch_size) == 0
 
     def _for(self, batch_size):
-        want = "static" if self._static(batch_size) else "dynamic"
-        chosen = [m for m, d in zip(self.models, self.domains) if d in ("all", want)]
-        if want == "static" and not any(d == "static" for d in self.domains):
-            chosen = [m for m, d in zip(self.models, self.domains) if d in ("all", "dynamic")]
-        return chosen or self.models
+        if not self._static(batch_size) or not any(d == "static" for d in self.domains):
+            return self.models
+        return [m for m, d in zip(self.models, self.domains) if d in ("all", "static")]
 
     @property
     def base_batch(self):
@@ -657,8 +660,7 @@ class StepModels:
         """The largest batch size that fits: the largest of the sizes whose trace has an
         unknown batch dimension (bisection: their need grows with the batch), and, where a
         model of the known-size trace exists, of the sizes that divide the samples."""
-        dynamic = [m for m, d in zip(self.models, self.domains) if d in ("all", "dynamic")] or self.models
-        best = min(m.largest_fitting(budget, at_most=at_most) for m in dynamic)
+        best = min(m.largest_fitting(budget, at_most=at_most) for m in self.models)
         while best > 0 and self._static(best) and not self.fits(best, budget):
             best -= 1  # a size that divides the samples runs the other trace
         if self.samples and any(d == "static" for d in self.domains):

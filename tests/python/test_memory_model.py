@@ -102,6 +102,12 @@ def test_a_step_recorded_where_the_batch_size_divides_the_samples_has_its_own_do
     assert both.largest_fitting(budget) == 120
     # Under 204 MiB the heavy trace fits up to 123 and the light one up to 128, a divisor.
     assert both.largest_fitting(204 * MiB) == 128
+    # A model of the unknown-size trace that needs less than the known-size one's (one
+    # short fit()'s step, a low draw) does not lower a size's need below the latter's: that
+    # trace needs at least as much.
+    low = mm.StepModels([heavy, light], ["static", "dynamic"], samples=4096)
+    assert low.need(65)["peak_account"] == heavy.need(65)["peak_account"]
+    assert low.largest_fitting(budget) == 120
 
 
 def test_a_model_saved_in_a_report_answers_the_same():
