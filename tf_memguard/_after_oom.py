@@ -48,10 +48,10 @@ def model_after_oom(sampler, model):
     if not sampler.after_oom_needs_steps():
         return sampler.model()
     # On a tf.data dataset: its first batches, as arrays, for the short runs.
-    if not sampler.sample_dataset():
+    if not sampler.data.sample_dataset(sampler.b0):
         return None
     budget = sampler.pool.stats()["bytes_limit"]
-    copies = sampler.copy_sizes()
+    copies = sampler.data.copy_sizes()
     room = budget - sum(copies)
 
     def has_copy(trace):
@@ -65,14 +65,15 @@ def model_after_oom(sampler, model):
     # room for it; while every step has it, they take the steps as they ran (the copy
     # where it lay: on the two-input model, room instead named 446, which ran out).
     # (On a sample of a dataset the retry makes no copy: the steps are taken without it.)
-    without = [bool(copies) and (sampler.from_dataset or sampler.prefix is not None and not has_copy(sampler.prefix))]
+    without = [bool(copies) and (sampler.data.from_dataset or
+                                 sampler.prefix is not None and not has_copy(sampler.prefix))]
 
     def plain(trace):
         return _recording.without_blocks(trace, copies, kind="input") if without[0] else trace
 
     def limit():
         # A retry on a dataset makes no copy of arrays: only the short runs on the sample do.
-        return room if without[0] and not sampler.from_dataset else budget
+        return room if without[0] and not sampler.data.from_dataset else budget
 
     # What tf.data had prepared ahead, per sample: the most the failed fit()'s steps
     # and the short runs' steps met (a short run's second step can begin with none of
@@ -83,14 +84,14 @@ def model_after_oom(sampler, model):
         return _recording.unmet_prepared(trace, max(per_sample) * trace.batch_size)
 
     def build(template, other=None):
-        extra = _recording.joined(unmet(template), _recording.stale_batches(sampler.x, sampler.y,
+        extra = _recording.joined(unmet(template), _recording.stale_batches(sampler.data.x, sampler.data.y,
                                                                             template.batch_size),
                                   sampler.pipeline_extra())
         return StepModel.build(plain(template), plain(other) if other is not None else None,
-                               extra_start=extra, epoch=sampler.epoch)
+                               extra_start=extra, epoch=sampler.data.epoch)
 
     # Keras' torch backend (_recording.STALE_BATCHES; see ran()).
-    stale = _recording.stale_batches(sampler.x, sampler.y, 1) is not None
+    stale = _recording.stale_batches(sampler.data.x, sampler.data.y, 1) is not None
 
     def ran(trace):
         # A short run that completed proves its size for a retry that copies the
@@ -107,7 +108,7 @@ def model_after_oom(sampler, model):
         per_sample.append(_recording.prepared_bytes(trace) / trace.batch_size)
         if copies and not has_copy(trace):
             without[0] = True
-        elif unmet(trace) is None and not stale and not sampler.from_dataset:
+        elif unmet(trace) is None and not stale and not sampler.data.from_dataset:
             return True
         return build(trace).fits(trace.batch_size, limit())
 
@@ -128,7 +129,7 @@ def model_after_oom(sampler, model):
     if good is None:
         # Not even a batch of 1 ran: none fits (advice_cap is 0), and the failed step
         # says what a batch of 1 would need at least.
-        m = sampler.use_model(StepModels([StepModel.build(sampler.prefix, None, first=True, epoch=sampler.epoch)]))
+        m = sampler.use_model(StepModels([StepModel.build(sampler.prefix, None, first=True, epoch=sampler.data.epoch)]))
         return m if sampler.too_large == 1 else None
 
     def with_failed(model):
@@ -141,7 +142,7 @@ def model_after_oom(sampler, model):
         # model: Adam's two slots of its 12 MiB table, and their initial values, made
         # while 71 MiB of 76 were in use); by it, no size above 300 fitted, where a
         # short run at 658 completed and 823 trained.
-        f = StepModel.build(plain(sampler.prefix), plain(good), first=True, epoch=sampler.epoch)
+        f = StepModel.build(plain(sampler.prefix), plain(good), first=True, epoch=sampler.data.epoch)
         return StepModels([model, f] if f.fits(good.batch_size, limit()) else [model])
     # One size only: every block that is not batch-shaped is taken as proportional above
     # it, which can only overstate the need; the next size corrects it.
@@ -152,7 +153,7 @@ def model_after_oom(sampler, model):
         if refused:
             size = (good.batch_size + sampler.too_large) // 2
         else:
-            size = min(current.largest_fitting(limit(), at_most=sampler.n), sampler.too_large - 1)
+            size = min(current.largest_fitting(limit(), at_most=sampler.data.n), sampler.too_large - 1)
         if size <= good.batch_size:
             break
         trace = sampler.short_fit(model, size, all_samples=True)
@@ -176,7 +177,7 @@ def model_after_oom(sampler, model):
         if len(completed) < 2:
             confirmed = True
             break
-        steps = min(CONFIRM_STEPS, sampler.n // good.batch_size) if sampler.n else CONFIRM_STEPS
+        steps = min(CONFIRM_STEPS, sampler.data.n // good.batch_size) if sampler.data.n else CONFIRM_STEPS
         if steps <= 2:
             confirmed = True
             break

@@ -133,7 +133,7 @@ class FailureHandling:
             if suggestion is not None:
                 self._suggestion = suggestion
             message = _oom.explain(self._device, refusal, suggestion, self._run_batch, deferred=pending is not None,
-                                   dataset=self._sampler is not None and self._sampler.x is None)
+                                   dataset=self._sampler is not None and self._sampler.data.x is None)
         self._oom = message
         self._tell_cluster()
         self._add_note(error, self._oom)
@@ -165,9 +165,9 @@ class FailureHandling:
         report.suggested_batch_size = suggestion.batch_size if suggestion else None
         report.suggestion_method = suggestion.method if suggestion else ""
         report.advice = _advice.advice_sentence(suggestion, self._run_batch) if suggestion else ""
-        if report.advice and self._sampler.from_dataset and not suggestion.fits_none:
+        if report.advice and self._sampler.data.from_dataset and not suggestion.fits_none:
             report.advice += f" The dataset fixes its own batches: build it with .batch({suggestion.batch_size})."
-        elif suggestion is None and self._sampler.dataset_gone():
+        elif suggestion is None and self._sampler.data.dataset_gone():
             report.advice = ("No batch size was worked out: the dataset given to fit() is gone (nothing kept a "
                              "reference to it), and its batches are what the short runs are made of. Keep it in a "
                              "variable for the suggestion.")

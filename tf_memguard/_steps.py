@@ -23,11 +23,9 @@ retry must fit too), and, once the failed fit()'s data is out of the pool, short
 runs of its own on all the samples at smaller sizes (down to one that completes, then
 up: _after_oom).
 """
-import warnings
-import weakref
-
 from tf_memguard import _after_oom, _backend, _core, _dataset_sample, _recording
 from tf_memguard._memory_model import StepModel, StepModels, order_gap
+from tf_memguard._step_data import StepData
 
 # The smallest partial last batch used as the second size, as a share of b0: below that,
 # block sizes are too near the granule (and TensorFlow's kernels pick other algorithms
@@ -35,12 +33,6 @@ from tf_memguard._memory_model import StepModel, StepModels, order_gap
 MIN_PARTIAL = 1 / 8
 # Epochs whose steps are candidates for the template.
 RECORDED_EPOCHS = 2
-# Batches of data a short fit() of its own is given: tf.data's autotuned map and prefetch
-# held three prepared batches at every step's start in the runs measured (the README's
-# CNN, 2 cores), and the recorded step must find the pipeline as full as a long run's
-# (with four, the README's CNN's step was recorded with fewer, and 237 was suggested
-# where 233 ran out; with eight, 223-229).
-NESTED_BATCHES = 8
 # Short fit() runs of its own per run for the second size (after an OOM, _after_oom's
 # DESCENT and ASCENT_RUNS bound them).
 MAX_NESTED_RUNS = 4
@@ -53,20 +45,13 @@ class StepSampler:
                  dataset=None):
         self.pool = pool
         self.b0 = int(batch_size)
-        self.n = n_samples
-        self.x, self.y = x, y
         self.steps = steps_per_epoch
         self.recorder = _recording.StepRecorder(pool)
         self.tf = _backend.framework() == "tensorflow"
-        # A tf.data dataset fit() was given instead of arrays (weakly: a report kept must
-        # not keep it, and its tensors, alive): after an OOM, a sample of its batches as
-        # arrays stands in for x and y (sample_dataset(); on TensorFlow, whose pool
-        # tf.data's buffers are in).
-        self._dataset = weakref.ref(dataset) if dataset is not None and self.tf else None
-        self.from_dataset = False
-        # What bounds the batches tf.data prepares ahead: the epoch over the arrays, when
-        # fit() makes one of its own per epoch (no steps_per_epoch given).
-        self.epoch = _recording.epoch_of(x, y, n_samples) if self.tf and own_epochs and x is not None else None
+        # The samples the short runs take (fit()'s arrays; after an OOM on a dataset, a
+        # sample of its batches).
+        self.data = StepData(pool, self.recorder, x, y, n_samples, dataset=dataset, tf=self.tf,
+                             own_epochs=own_epochs)
         # Keras' pipeline has batches of a known size only when b0 divides the samples: then
         # the recorded steps run the trace with a known batch dimension ("static"), and a
         # lone step (whose new size makes TensorFlow trace the step again, relaxed to an
@@ -190,50 +175,13 @@ class StepSampler:
             _core.set_profile_batch(size)
 
     def short_fit(self, model, size, all_samples=False, steps=2):
-        """A short fit() of its own at `size` (its last step recorded). By default on
-        enough of the first samples for its pipeline to fill (NESTED_BATCHES batches and
-        one sample more, so that the last batch is partial and the step runs the trace for
-        an unknown batch dimension), its own copy of them left out of the blocks live at
-        the start (the run's full copy stands for the retry's), and so are the batches
-        the run had prepared at its own size (_recording.without_outer_batches). With
-        `all_samples`, on all of them, as a retry would run: its copy is the retry's
-        (model_after_oom's runs, which its own loops bound, not MAX_NESTED_RUNS). `steps`:
-        the steps it runs, the last recorded. None when it could not be recorded (a step
-        was refused before it)."""
-        if self.x is None or (not all_samples and self._nested_runs >= MAX_NESTED_RUNS):
-            return None
-        self._nested_runs += 1
-        samples = None if all_samples else min(self.n or NESTED_BATCHES * size + 1, NESTED_BATCHES * size + 1)
-        if all_samples and self.from_dataset:
-            # A retry on the dataset copies no arrays, and the sample's copy is in the pool
-            # while the run lasts (MobileNetV3Small at 160: 31 MB of a 256 MiB budget, and
-            # the runs completed 72 where 86 trains): only the batches the run takes, one
-            # more prepared ahead, and a sample (a partial last batch, so that the step is
-            # traced for an unknown batch dimension, as on a batched dataset).
-            samples = min(self.n, (steps + 1) * size + 1)
-        elif samples is not None and self.n and samples >= self.n and self.n % size == 0:
-            # All the samples, in batches of `size`: the last is not partial, and the step
-            # would run the trace with a known batch dimension. One sample fewer makes it
-            # the other trace, which this step is recorded for. (The zoo's autoencoder at
-            # 1,024 of 2,048 samples: the short fit() at 512 ran the known-size trace, its
-            # model took it for the sizes that do not divide the samples, and named 1,566,
-            # which ran out in 2 of 2 processes where 1,139 is the most that trains.)
-            samples = self.n - 1
-        outer = self.pool.live_blocks() if not all_samples else None
-        try:
-            trace = _recording.fit_steps(model, self.x, self.y, size, self.recorder, samples=samples, steps=steps)
-        except Exception as e:  # noqa: BLE001 - the model of the step must never stop the training
-            warnings.warn(f"tf_memguard: steps at batch size {size} for the memory model failed "
-                          f"({type(e).__name__}: {e}); the advice uses what was recorded", stacklevel=3)
-            return None
-        finally:
-            self.pool.reset_peak()
-        if trace is None or (all_samples and samples is None):
-            return trace
-        align = int(trace.layout.get("alignment", 64))
+        """StepData.short_fit, at most MAX_NESTED_RUNS times a run for the second size
+        (after an OOM, with `all_samples`, _after_oom's own loops bound them)."""
         if not all_samples:
-            trace = _recording.without_outer_batches(trace, outer)
-        return _recording.without_blocks(trace, self._batch_sizes(samples, align), kind="input")
+            if self.data.x is None or self._nested_runs >= MAX_NESTED_RUNS:
+                return None
+            self._nested_runs += 1
+        return self.data.short_fit(model, size, all_samples=all_samples, steps=steps)
 
     # -- the model ---------------------------------------------------------------------
 
@@ -243,11 +191,11 @@ class StepSampler:
         if self._model is None and (self.template is not None or self.first is not None):
             order = self.order_bytes()
             steady = StepModel.build(self.template, self.other, observed_peak=observed_peak or None,
-                                     extra_start=self._unmet_prepared(self.template), epoch=self.epoch,
+                                     extra_start=self._unmet_prepared(self.template), epoch=self.data.epoch,
                                      order_bytes=order) \
                 if self.template is not None else None
             # (Not the first step's: a run's first step meets the pipeline as it starts.)
-            first = StepModel.build(self.first, self.other, first=True, epoch=self.epoch, order_bytes=order) \
+            first = StepModel.build(self.first, self.other, first=True, epoch=self.data.epoch, order_bytes=order) \
                 if self.first is not None else None
             domain = "static" if self.static else "all"
             models, domains = [steady, first], [domain, domain]
@@ -255,9 +203,9 @@ class StepSampler:
             if self.static and self.lone is not None and self.lone.complete:
                 # The other trace: the short fit()'s step, for the sizes that do not divide
                 # the samples.
-                models.append(StepModel.build(self.lone, start, epoch=self.epoch, order_bytes=order))
+                models.append(StepModel.build(self.lone, start, epoch=self.data.epoch, order_bytes=order))
                 domains.append("dynamic")
-            self._model = StepModels(models, domains, samples=self.n if self.tf else None)
+            self._model = StepModels(models, domains, samples=self.data.n if self.tf else None)
         return self._model
 
     def order_bytes(self):
@@ -287,29 +235,12 @@ class StepSampler:
             return None
         return _recording.unmet_prepared(trace, self.prepared)
 
-    def copy_sizes(self):
-        """The blocks of Keras' copy of the arrays, on TensorFlow (one per array)."""
-        import keras
-        if not self.tf or self.x is None:
-            return []
-        align = int(self.pool.layout().get("alignment", 64) or 64)
-        return [-(-int(a.nbytes) // align) * align for a in keras.tree.flatten((self.x, self.y))
-                if a is not None and hasattr(a, "nbytes") and a.nbytes > 0]
-
-    def _batch_sizes(self, batch_size, align):
-        import keras
-        out = []
-        for a in keras.tree.flatten((self.x, self.y)):
-            if a is not None and len(a):
-                out.append(-(-(int(a.nbytes) // len(a)) * batch_size // align) * align)
-        return out
-
     def method(self):
         if self.after_oom:
             what = ("the memory model of short fit() runs after the out-of-memory error at " +
                     ", ".join(str(b) for b in self.after_oom) + f" (refused at {self.b0})")
-            if self.from_dataset:
-                what += f", on the dataset's first {self.n} samples as arrays"
+            if self.data.from_dataset:
+                what += f", on the dataset's first {self.data.n} samples as arrays"
             what += "; the largest that completed"
             if self.confirmed:
                 what += f" (and a run of {self.confirmed[1]} steps at {self.confirmed[0]})"
@@ -324,46 +255,14 @@ class StepSampler:
         """True when the advice after the refused step needs steps of its own (array data,
         or a tf.data dataset to sample them from, and no complete step recorded at the
         failed size); else model_after_oom() is the recorded steps' model."""
-        return (self.x is not None or self._dataset is not None) and self.prefix is not None \
+        return self.data.usable and self.prefix is not None \
             and self.template is None
-
-    def sample_dataset(self):
-        """With no arrays but a tf.data dataset: its first batches (_dataset_sample.BATCHES
-        of the failed size) as arrays become x and y, the samples they hold n, and nothing
-        bounds the batches the pipeline prepares (epoch None: the dataset's size is its
-        own). True when there are arrays to run steps on."""
-        if self.x is not None:
-            return True
-        dataset = self._dataset() if self._dataset is not None else None
-        if dataset is None:
-            return False
-        try:
-            arrays = _dataset_sample.sample_arrays(dataset, _dataset_sample.BATCHES * self.b0)
-        except Exception as e:  # noqa: BLE001 - the advice must never stop the training
-            warnings.warn(f"tf_memguard: no sample of the dataset's batches could be taken for the advice after "
-                          f"the out-of-memory error ({type(e).__name__}: {e})", stacklevel=4)
-            return False
-        finally:
-            del dataset
-        if arrays is None:
-            return False
-        import keras
-        self.x, self.y = arrays
-        self.n = min(len(a) for a in keras.tree.flatten(self.x))
-        self.epoch = None
-        self.from_dataset = True
-        return True
-
-    def dataset_gone(self):
-        """True when fit() was given a dataset that no one keeps any more (so no sample of
-        it can be taken after an OOM)."""
-        return self.x is None and self._dataset is not None and self._dataset() is None
 
     def pipeline_extra(self):
         """After an OOM on a dataset: its pipeline's buffers that do not grow with the batch,
         as measured in the failed step, as one more block at a step's start (short runs on
         arrays do not meet them; _dataset_sample.pipeline_extra), or None."""
-        return _dataset_sample.pipeline_extra(self.prefix) if self.from_dataset else None
+        return _dataset_sample.pipeline_extra(self.prefix) if self.data.from_dataset else None
 
     def use_model(self, model):
         """Makes `model` (StepModels) the one model() returns from now on; returns it."""

@@ -1,0 +1,142 @@
+"""The samples a run's memory model runs steps of its own on, and those short fit() runs.
+
+fit()'s arrays when it was given arrays. When it was given a tf.data dataset, nothing
+until an out-of-memory error: then a sample of the dataset's first batches, taken through
+its whole pipeline as numpy arrays (_dataset_sample), stands in for them.
+"""
+import warnings
+import weakref
+
+from tf_memguard import _dataset_sample, _recording
+
+# Batches of data a short fit() of its own is given: tf.data's autotuned map and prefetch
+# held three prepared batches at every step's start in the runs measured (the README's
+# CNN, 2 cores), and the recorded step must find the pipeline as full as a long run's
+# (with four, the README's CNN's step was recorded with fewer, and 237 was suggested
+# where 233 ran out; with eight, 223-229).
+NESTED_BATCHES = 8
+
+
+class StepData:
+    """The data of one fit() run as the memory model's short runs take it.
+
+    Attributes:
+        x, y: the arrays (or structures of them); None for a dataset not yet sampled.
+        n: the samples they hold (None when unknown).
+        epoch: (samples, bytes per sample of a batch) of the epochs fit() runs over the
+            arrays, which bound the batches tf.data prepares ahead (see
+            _recording.epoch_of), or None (a dataset, steps_per_epoch given, torch).
+        from_dataset: True once x and y are a sample of a dataset's batches.
+    """
+
+    def __init__(self, pool, recorder, x=None, y=None, n_samples=None, dataset=None, tf=True, own_epochs=True):
+        self.pool, self.recorder = pool, recorder
+        self.x, self.y, self.n = x, y, n_samples
+        self.tf = tf
+        # A tf.data dataset fit() was given instead of arrays (weakly: a report kept must
+        # not keep it, and its tensors, alive): after an OOM, a sample of its batches as
+        # arrays stands in for x and y (sample_dataset(); on TensorFlow, whose pool
+        # tf.data's buffers are in).
+        self._dataset = weakref.ref(dataset) if dataset is not None and tf else None
+        self.from_dataset = False
+        # What bounds the batches tf.data prepares ahead: the epoch over the arrays, when
+        # fit() makes one of its own per epoch (no steps_per_epoch given).
+        self.epoch = _recording.epoch_of(x, y, n_samples) if tf and own_epochs and x is not None else None
+
+    @property
+    def usable(self):
+        """True when there are arrays to run steps on, or a dataset to sample them from."""
+        return self.x is not None or self._dataset is not None
+
+    def short_fit(self, model, size, all_samples=False, steps=2):
+        """A short fit() of its own at `size` (its last step recorded). By default on
+        enough of the first samples for its pipeline to fill (NESTED_BATCHES batches and
+        one sample more, so that the last batch is partial and the step runs the trace for
+        an unknown batch dimension), its own copy of them left out of the blocks live at
+        the start (the run's full copy stands for the retry's), and so are the batches
+        the run had prepared at its own size (_recording.without_outer_batches). With
+        `all_samples`, on all of them, as a retry would run: its copy is the retry's.
+        `steps`: the steps it runs, the last recorded. None when there are no arrays or
+        it could not be recorded (a step was refused before it)."""
+        if self.x is None:
+            return None
+        samples = None if all_samples else min(self.n or NESTED_BATCHES * size + 1, NESTED_BATCHES * size + 1)
+        if all_samples and self.from_dataset:
+            # A retry on the dataset copies no arrays, and the sample's copy is in the pool
+            # while the run lasts (MobileNetV3Small at 160: 31 MB of a 256 MiB budget, and
+            # the runs completed 72 where 86 trains): only the batches the run takes, one
+            # more prepared ahead, and a sample (a partial last batch, so that the step is
+            # traced for an unknown batch dimension, as on a batched dataset).
+            samples = min(self.n, (steps + 1) * size + 1)
+        elif samples is not None and self.n and samples >= self.n and self.n % size == 0:
+            # All the samples, in batches of `size`: the last is not partial, and the step
+            # would run the trace with a known batch dimension. One sample fewer makes it
+            # the other trace, which this step is recorded for. (The zoo's autoencoder at
+            # 1,024 of 2,048 samples: the short fit() at 512 ran the known-size trace, its
+            # model took it for the sizes that do not divide the samples, and named 1,566,
+            # which ran out in 2 of 2 processes where 1,139 is the most that trains.)
+            samples = self.n - 1
+        outer = self.pool.live_blocks() if not all_samples else None
+        try:
+            trace = _recording.fit_steps(model, self.x, self.y, size, self.recorder, samples=samples, steps=steps)
+        except Exception as e:  # noqa: BLE001 - the model of the step must never stop the training
+            warnings.warn(f"tf_memguard: steps at batch size {size} for the memory model failed "
+                          f"({type(e).__name__}: {e}); the advice uses what was recorded", stacklevel=4)
+            return None
+        finally:
+            self.pool.reset_peak()
+        if trace is None or (all_samples and samples is None):
+            return trace
+        align = int(trace.layout.get("alignment", 64))
+        if not all_samples:
+            trace = _recording.without_outer_batches(trace, outer)
+        return _recording.without_blocks(trace, self._batch_sizes(samples, align), kind="input")
+
+    def copy_sizes(self):
+        """The blocks of Keras' copy of the arrays, on TensorFlow (one per array)."""
+        import keras
+        if not self.tf or self.x is None:
+            return []
+        align = int(self.pool.layout().get("alignment", 64) or 64)
+        return [-(-int(a.nbytes) // align) * align for a in keras.tree.flatten((self.x, self.y))
+                if a is not None and hasattr(a, "nbytes") and a.nbytes > 0]
+
+    def _batch_sizes(self, batch_size, align):
+        import keras
+        out = []
+        for a in keras.tree.flatten((self.x, self.y)):
+            if a is not None and len(a):
+                out.append(-(-(int(a.nbytes) // len(a)) * batch_size // align) * align)
+        return out
+
+    def sample_dataset(self, batch_size):
+        """With no arrays but a tf.data dataset: its first batches (_dataset_sample.BATCHES
+        of `batch_size`, the failed size) as arrays become x and y, the samples they hold
+        n, and nothing bounds the batches the pipeline prepares (epoch None: the dataset's
+        size is its own). True when there are arrays to run steps on."""
+        if self.x is not None:
+            return True
+        dataset = self._dataset() if self._dataset is not None else None
+        if dataset is None:
+            return False
+        try:
+            arrays = _dataset_sample.sample_arrays(dataset, _dataset_sample.BATCHES * batch_size)
+        except Exception as e:  # noqa: BLE001 - the advice must never stop the training
+            warnings.warn(f"tf_memguard: no sample of the dataset's batches could be taken for the advice after "
+                          f"the out-of-memory error ({type(e).__name__}: {e})", stacklevel=4)
+            return False
+        finally:
+            del dataset
+        if arrays is None:
+            return False
+        import keras
+        self.x, self.y = arrays
+        self.n = min(len(a) for a in keras.tree.flatten(self.x))
+        self.epoch = None
+        self.from_dataset = True
+        return True
+
+    def dataset_gone(self):
+        """True when fit() was given a dataset that no one keeps any more (so no sample of
+        it can be taken after an OOM)."""
+        return self.x is None and self._dataset is not None and self._dataset() is None
