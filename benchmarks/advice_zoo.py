@@ -7,7 +7,11 @@ For each model, under its budget (zoo.BUDGETS):
   whether it trains two epochs in 2 of 2 fresh processes;
 - after an OOM: a fit() at 1.6x the limit runs out; the suggestion in its explained error,
   and whether a retry at it in the same process trains two epochs;
-- find_batch_size (4 steps), and whether its answer trains two epochs.
+- find_batch_size (4 steps), and whether its answer trains two epochs;
+- the advice again after two epochs at the largest power of two at most half the limit
+  that divides the samples (as a user's batch size often does): those steps run the trace
+  with a known batch dimension, and the model of the other sizes comes from a short fit()
+  (benchmarks/NOTES.md, "At a batch size that divides the samples").
 Prints a table and writes benchmarks/results/advice_zoo.json. Slow (about 40 minutes on 2
 cores): every row is a dozen fresh processes or more; with --limits (the limits of an
 earlier run, which do not depend on the advice) five per row.
@@ -140,6 +144,21 @@ class Trials:
         return lo
 
 
+def samples_of(name):
+    """The samples the zoo's model `name` is trained on (its builder's default)."""
+    import inspect
+    from zoo import ZOO
+    return inspect.signature(ZOO[name]).parameters["n"].default
+
+
+def divisor_batch(n, limit):
+    """The largest power of two at most half `limit` that divides `n` (1 at least)."""
+    b = 1
+    while b * 2 <= max(1, limit // 2) and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
 def evaluate(name, budget, known=None):
     """The row of model `name`; `known`: its limit from an earlier run (no bisection)."""
     t0 = time.time()
@@ -156,6 +175,10 @@ def evaluate(name, budget, known=None):
     trains = bool(suggested) and trials.fits(suggested)
     oom = run(OOM.format(name=name, budget=budget, batch=int(limit * 1.6)))
     find = run(FIND.format(name=name, budget=budget))
+    div = divisor_batch(samples_of(name), limit)
+    advised_div = run(FIT.format(name=name, budget=budget, batch=div))
+    suggested_div = advised_div.get("suggested") if advised_div["fits"] else None
+    trains_div = bool(suggested_div) and trials.fits(suggested_div)
     row = {
         "model": name, "budget_mib": budget, "limit": limit,
         "suggested": suggested, "suggested_over_limit": round(suggested / limit, 3) if suggested else None,
@@ -164,7 +187,9 @@ def evaluate(name, budget, known=None):
         "after_oom_over_limit": round(oom["suggested"] / limit, 3) if oom.get("suggested") else None,
         "after_oom_retry_trained": oom.get("retry_trained"), "oom_note": oom.get("note"),
         "find_batch_size": find["size"], "find_over_limit": round(find["size"] / limit, 3),
-        "find_trained": find["trained"], "fit_runs": trials.runs, "seconds": round(time.time() - t0, 1),
+        "find_trained": find["trained"], "divisor_run_batch": div, "divisor_suggested": suggested_div,
+        "divisor_over_limit": round(suggested_div / limit, 3) if suggested_div else None,
+        "divisor_suggested_trains_2_of_2": trains_div, "fit_runs": trials.runs, "seconds": round(time.time() - t0, 1),
     }
     if known:
         row["limit_from"] = "an earlier run's bisection (--limits)"
@@ -173,14 +198,17 @@ def evaluate(name, budget, known=None):
 
 def table(rows):
     head = (f"{'model':<16}{'budget':>8}{'limit':>7}{'advice':>8}{'ratio':>7}{'trains':>8}{'OOM->':>7}"
-            f"{'ratio':>7}{'retry':>7}{'find':>6}{'ratio':>7}{'trains':>8}")
+            f"{'ratio':>7}{'retry':>7}{'find':>6}{'ratio':>7}{'trains':>8}{'at 2^k':>7}{'advice':>7}{'ratio':>7}"
+            f"{'trains':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['model']:<16}{r['budget_mib']:>6}Mi{r['limit']:>7}{str(r['suggested']):>8}"
                      f"{str(r['suggested_over_limit']):>7}{str(r['suggested_trains_2_of_2']):>8}"
                      f"{str(r['after_oom_suggested']):>7}{str(r['after_oom_over_limit']):>7}"
                      f"{str(r['after_oom_retry_trained']):>7}{r['find_batch_size']:>6}{r['find_over_limit']:>7}"
-                     f"{str(r['find_trained']):>8}")
+                     f"{str(r['find_trained']):>8}{str(r.get('divisor_run_batch')):>7}"
+                     f"{str(r.get('divisor_suggested')):>7}{str(r.get('divisor_over_limit')):>7}"
+                     f"{str(r.get('divisor_suggested_trains_2_of_2')):>8}")
     ratios = [r["suggested_over_limit"] for r in rows if r["suggested_over_limit"]]
     if ratios:
         lines.append(f"advice/limit: min {min(ratios):.3f}, median {statistics.median(ratios):.3f}; "
