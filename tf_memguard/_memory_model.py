@@ -6,7 +6,8 @@ batch size (TensorFlow's kernels announce their shapes; the plugin tags those bl
 Here every block becomes a line in the batch size:
 
 - a block tagged batch-shaped is proportional to the batch (exact for a tensor whose
-  first dimension is the batch);
+  first dimension is the batch); so is one whose first dimension is a multiple of the
+  batch (a batch-shaped tensor flattened), where the second step confirms it;
 - an untagged block is matched against a second recorded step at another batch size:
   the same size in both is fixed (weights' gradients, optimizer updates, workspaces of
   a fixed size); blocks that changed are paired by rank within their kind, and their
@@ -49,6 +50,7 @@ _KIND_SHIFT = _core.ALLOC_KIND_SHIFT
 # README's CNN under 128 MiB: 0.6 MiB).
 LAYOUT_SLACK = 0.02
 _BATCH = _core.ALLOC_BATCH
+_ROWS = _core.ALLOC_BATCH_ROWS
 _MUST = _core.ALLOC_MUST_SUCCEED
 KINDS = _core.KINDS
 # Trace ops (tfmg_trace_op).
@@ -130,8 +132,18 @@ def _match(template, other, fixed_kinds=(), fixed_sizes=()):
 
     With `other` (a step at another batch size), per kind of block:
     - a block tagged batch-shaped whose size scaled to the other batch size is there too is
-      proportional (a tensor with the batch as first dimension);
-    - an untagged block whose exact size is there too is fixed;
+      proportional (a tensor with the batch as first dimension); so is one whose first
+      dimension is a multiple of the batch (TFMG_ALLOC_BATCH_ROWS: a batch-shaped tensor
+      with its leading dimensions flattened, as a Dense layer on (batch, steps, features)
+      computes on). The zoo's attention model made 2 and 4 MiB blocks of (128 x 64, 64)
+      and (128 x 64, 128) floats at 128 samples; paired by exact size with the other
+      step's at 64 (whose (64 x 64, 128) block is 2 MiB), they were taken as fixed, and
+      the model of 128 said 312 samples need 200-211 MiB, where a step at 300 peaked at
+      209 and 312 ran out under 220. The tagged blocks are matched first, the exact sizes
+      of the rest after them;
+    - an untagged block whose exact size is there too is fixed (a block tagged as rows of
+      the batch with no scaled partner is untagged, unless its size is a weight's: a
+      weight's gradient with such a first dimension is fixed as a copy of it);
     - the rest of both steps (untagged blocks that changed, and tagged ones that did not
       scale: workspaces that TensorFlow caps, such as convolution backprop's, are tagged at a
       small batch and stop growing at a large one) are paired by rank, and each pair's line
@@ -155,6 +167,8 @@ def _match(template, other, fixed_kinds=(), fixed_sizes=()):
     bt = float(template.batch_size)
     align = float(max(int(template.layout.get("alignment", 64)), 1))
     tagged = (flags & _BATCH) != 0
+    weight_set = {float(v) for v in np.asarray(fixed_sizes, dtype=np.float64).tolist()}
+    rows = ((flags & _ROWS) != 0) & ~tagged & ~np.isin(size, list(weight_set))
     kinds = kind_of(flags)
     fixed_lo = np.where(tagged, 0.0, size)
     slope_lo = np.where(tagged, size / bt, 0.0)
@@ -200,12 +214,15 @@ def _match(template, other, fixed_kinds=(), fixed_sizes=()):
             mine = np.flatnonzero(kinds == k)
             rest = []
             for i in mine:
-                if tagged[i]:
+                if tagged[i] or rows[i]:
                     scaled = np.ceil(size[i] * bo / bt / align) * align
                     if take(scaled) or take(scaled - align) or take(scaled + align):
                         line(i, 0.0, size[i] / bt)
                         continue
-                elif take(size[i]):
+            for i in mine:
+                if done[i]:
+                    continue
+                if not tagged[i] and take(size[i]):
                     line(i, size[i], 0.0)
                     continue
                 rest.append(i)
@@ -227,7 +244,6 @@ def _match(template, other, fixed_kinds=(), fixed_sizes=()):
     # two 2 MiB slots of its first layer; a third 2 MiB block of that step had no match
     # either, the weights' share (below) allowed two, and the slot left over, taken as
     # proportional (128 KiB a sample), made the first step's model name 78 where 348 trains.
-    weight_set = {float(v) for v in np.asarray(fixed_sizes, dtype=np.float64).tolist()}
     if weight_set:
         kept = _live_at_end(template)
         for i in rest[~done[rest]]:

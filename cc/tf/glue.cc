@@ -97,7 +97,7 @@ std::string human(uint64_t bytes) {
 }
 
 // While a batch size is being profiled: TFMG_ALLOC_BATCH if the tensor being allocated
-// has it as its first dimension. OpKernelContext::allocate_tensor announces the shape
+// has it as its first dimension, TFMG_ALLOC_BATCH_ROWS if a multiple of it. OpKernelContext::allocate_tensor announces the shape
 // through the thread's memory-debug annotation; reading it formats a string, so this
 // runs only during the few steps MemGuardCallback profiles.
 uint32_t batch_tag() {
@@ -108,7 +108,8 @@ uint32_t batch_tag() {
   const std::string shape = note.pending_shape_func();  // "[64,30,30,16]"
   if (shape.size() < 3 || shape[0] != '[') return 0;
   const long long first = std::strtoll(shape.c_str() + 1, nullptr, 10);
-  return first == batch ? TFMG_ALLOC_BATCH : 0;
+  if (first == batch) return TFMG_ALLOC_BATCH;
+  return first > batch && first % batch == 0 ? TFMG_ALLOC_BATCH_ROWS : 0;
 }
 
 // TF_MEMGUARD_LOG_UNREFUSABLE=<bytes>: every request of at least that size granted over

@@ -53,6 +53,13 @@ typedef enum tfmg_status {
  * (no count, no last_refusal, no trace event). For a caller that decides what to do
  * about a request only once it knows the request does not fit. */
 #define TFMG_ALLOC_QUIET 4u
+/* A hint, kept in the trace only: the block's first dimension is a multiple (2 or more) of
+ * the profiled batch size, as a batch-shaped tensor's is once its leading dimensions are
+ * flattened (a Dense layer on (batch, steps, features) computes on (batch x steps,
+ * features); an embedding's gradient has batch x steps rows). A weight's gradient can
+ * have such a first dimension too: the memory model counts the block as proportional to
+ * the batch only where a step at another batch size confirms it. */
+#define TFMG_ALLOC_BATCH_ROWS 8u
 /* What asked for the memory, in bits 8-11 of the flags: TFMG_ALLOC_KIND(TFMG_KIND_...).
  * The pool keeps the bytes in use, and the overshoot, by kind: what holds the memory. */
 #define TFMG_ALLOC_KIND_SHIFT 8

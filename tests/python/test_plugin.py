@@ -52,6 +52,40 @@ def test_get_memory_info_and_reset_memory_stats_speak_for_the_pool():
     assert r.data["after_reset"]["peak"] < 4 * 1024 * 1024
 
 
+def test_kernels_tensors_are_tagged_by_their_first_dimension_while_a_batch_size_is_profiled():
+    # The batch tags the memory model goes by: first dimension the batch (TFMG_ALLOC_BATCH),
+    # or a multiple of it (TFMG_ALLOC_BATCH_ROWS: a Dense layer on (batch, steps, features)
+    # computes on (batch x steps, features)); neither when nothing is profiled.
+    r = run("""
+        import numpy as np
+        import tensorflow as tf
+        import tf_memguard
+        from tf_memguard import _core, _install, _recording
+        tf_memguard.install(max_bytes="256MiB")
+        pool = _install.device_pool()
+        w = tf.Variable(tf.ones([96, 160]))
+        @tf.function
+        def f(x):
+            return tf.reduce_sum(tf.nn.relu(tf.matmul(tf.reshape(x, [-1, 96]), w)))
+        x = tf.ones([24, 7, 96])
+        f(x)
+        def sizes_with(flag, profiled):
+            _core.set_profile_batch(24 if profiled else 0)
+            rec = _recording.StepRecorder(pool)
+            rec.begin(24)
+            f(x)
+            t = rec.end()
+            _core.set_profile_batch(0)
+            return sorted({int(s) for s, g, o in zip(t.size, t.flags, t.op) if o != 1 and g & flag})
+        emit(rows=sizes_with(_core.ALLOC_BATCH_ROWS, True), batch=sizes_with(_core.ALLOC_BATCH, True),
+             off=sizes_with(_core.ALLOC_BATCH_ROWS | _core.ALLOC_BATCH, False))
+    """)
+    assert r.returncode == 0, r
+    # (24 x 7, 160) floats: the matmul's output and relu's (unless it reuses the buffer).
+    assert 24 * 7 * 160 * 4 in r.data["rows"], r.data
+    assert not r.data["batch"] and not r.data["off"], r.data
+
+
 def test_disable_variable_leaves_tensorflow_alone_and_install_says_why():
     r = run("""
         import tensorflow as tf
