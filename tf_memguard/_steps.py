@@ -17,7 +17,8 @@ In a run of fit() at batch size b0 (see MemGuardCallback):
   which untagged blocks change with the batch, and which tagged ones stop growing
   (workspaces TensorFlow caps). With b0 dividing the samples, the run's steps have a
   known batch dimension; the short fit()'s last batch is partial, so its steps stand for
-  the sizes that do not divide them (another trace, an unknown batch dimension).
+  the sizes that do not divide them (another trace, an unknown batch dimension), beside
+  the run's own models (that trace needs at least as much: StepModels).
 After an out-of-memory error: the failed step up to its refusal (the first step of the
 retry must fit too), and, once the failed fit()'s data is out of the pool, short fit()
 runs of its own on all the samples at smaller sizes (down to one that completes, then
