@@ -199,7 +199,9 @@ class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
         record = self._monitor.epoch_end(epoch, logs, self._talks()) if self._active else None
         if self._active and self._sampler:
             self._sampler.epoch_end(epoch, self.model)
-            self._suggestion = self._suggest() or self._suggestion
+            # A size that ran its epochs within the budget fits, whatever the margins say.
+            ran = self._run_batch if self._monitor.peak() <= self._budget else 0
+            self._suggestion = self._suggest(at_least=ran) or self._suggestion
         if self._cluster is not None:  # a collective: every worker takes part, active or not
             self._suggestion = self._cluster.epoch_end(epoch, record, self._budget if self._active else 0,
                                                        self._suggestion, logs)

@@ -25,7 +25,7 @@ runs of its own on all the samples at smaller sizes (down to one that completes,
 up: _after_oom).
 """
 from tf_memguard import _after_oom, _backend, _core, _dataset_sample, _recording
-from tf_memguard._memory_model import StepModel, StepModels, order_gap
+from tf_memguard._memory_model import StepModel, StepModels, alike_groups, order_gap
 from tf_memguard._step_data import StepData
 
 # The smallest partial last batch used as the second size, as a share of b0: below that,
@@ -224,7 +224,7 @@ class StepSampler:
         steps peaked at 228.6); on its wide MLP, the highest peak of alike steps (47.4 of
         50 MiB) came in a quarter of them, and the answer needs no more room."""
         same = max(int(self.pool.layout().get("page_bytes", 0) or 0), 1)
-        return max((order_gap(peaks, same) for peaks in self._alike.values()), default=0)
+        return max((order_gap(peaks, same) for peaks in alike_groups(self._alike, same)), default=0)
 
     def _unmet_prepared(self, trace):
         """The batches prepared ahead that other steps at b0 met and `trace` did not (see

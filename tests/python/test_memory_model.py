@@ -324,6 +324,22 @@ def test_on_kerass_torch_backend_a_model_keeps_room_for_two_earlier_batches(monk
     assert _recording.stale_batches(x, y, 10) is None
 
 
+def test_steps_whose_start_differs_by_less_than_a_granule_are_alike():
+    # The mixed-precision CNN at 256: the same two peaks in steps whose start differed by
+    # a 4 KiB block; apart, the higher was met once in one group (a 12.9 MiB gap).
+    alike = {(36192896, 9440256): [100.38, 113.23, 100.38, 113.23],
+             (36196864, 9440256): [100.38, 113.24, 100.38, 100.38],
+             (36196864, 6293504): [110.22]}
+    peaks = [[int(v * MiB) for v in p] for p in alike.values()]
+    alike = {k: p for k, p in zip(alike, peaks)}
+    assert mm.order_gap(peaks[1], 64 << 10) > 12 * MiB   # the second group alone
+    groups = mm.alike_groups(alike, 64 << 10)
+    assert sorted(len(g) for g in groups) == [1, 8]      # other batch bytes: apart
+    assert max(mm.order_gap(g, 64 << 10) for g in groups) == 0
+    # More than a granule apart, they are not alike.
+    assert len(mm.alike_groups({(0, 5): [1, 2, 3], (1 << 20, 5): [1, 2, 3]}, 64 << 10)) == 2
+
+
 def test_the_order_gap_is_the_highest_peak_met_once_above_the_next():
     # Alike steps' peaks: the highest met once among at least three is how far it lies
     # above the next one down; met twice, or fewer than three steps, nothing is said.
