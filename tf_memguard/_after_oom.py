@@ -129,7 +129,8 @@ def model_after_oom(sampler, model):
     if good is None:
         # Not even a batch of 1 ran: none fits (advice_cap is 0), and the failed step
         # says what a batch of 1 would need at least.
-        m = sampler.use_model(StepModels([StepModel.build(sampler.prefix, None, first=True, epoch=sampler.data.epoch)]))
+        failed = StepModel.build(sampler.prefix, None, first=True, epoch=sampler.data.epoch, fresh=False)
+        m = sampler.use_model(StepModels([failed]))
         return m if sampler.too_large == 1 else None
 
     def with_failed(model):
@@ -142,7 +143,8 @@ def model_after_oom(sampler, model):
         # model: Adam's two slots of its 12 MiB table, and their initial values, made
         # while 71 MiB of 76 were in use); by it, no size above 300 fitted, where a
         # short run at 658 completed and 823 trained.
-        f = StepModel.build(plain(sampler.prefix), plain(good), first=True, epoch=sampler.data.epoch)
+        f = StepModel.build(plain(sampler.prefix), plain(good), first=True, epoch=sampler.data.epoch,
+                            fresh=False)
         return StepModels([model, f] if f.fits(good.batch_size, limit()) else [model])
     # One size only: every block that is not batch-shaped is taken as proportional above
     # it, which can only overstate the need; the next size corrects it.

@@ -358,7 +358,7 @@ class StepModel:
 
     @classmethod
     def build(cls, template, other=None, start=None, observed_peak=None, first=False, extra_start=None,
-              epoch=None, order_bytes=0):
+              epoch=None, order_bytes=0, fresh=None):
         """The model of `template`'s step (complete), its untagged blocks' slopes from
         `other`, starting from `start`'s live blocks (default: template's own) and
         `extra_start` ((sizes, flags) of more blocks live then, recorded at start's batch
@@ -369,7 +369,10 @@ class StepModel:
         would be bounded (the batch-shaped ones among them are made by kernels, tagged).
         `epoch`: (samples, bytes per sample of a batch) of the epochs fit() runs over arrays,
         or None (see _ops). `order_bytes`: how far above the template an order of the
-        kernels not met could peak at the recorded size (see spread())."""
+        kernels not met could peak at the recorded size (see spread()). `fresh`: the step
+        runs on a pool no long run has been through, so LAYOUT_SLACK is not kept (default:
+        `first`; after an out-of-memory error the retry's first step meets the failed
+        run's layout, and the slack is kept)."""
         start = start or template
         fixed_kinds = [KINDS.index(k) for k in ("constant", "copy", "tensor", "raw", "data", "input")] if first else ()
         weights = start.start_size[(start.start_flags & _BATCH) == 0]
@@ -416,7 +419,7 @@ class StepModel:
                     ev_flags=np.array(ev_flags, dtype=np.uint32), ev_fixed_lo=np.array(ev_flo),
                     ev_lo=np.array(ev_lo), ev_fixed_hi=np.array(ev_fhi), ev_hi=np.array(ev_hi), nslots=nslots,
                     base_batch=int(template.batch_size), layout=dict(template.layout),
-                    complete=bool(template.complete), order_bytes=int(max(0, order_bytes)), first_step=bool(first),
+                    complete=bool(template.complete), order_bytes=int(max(0, order_bytes)), first_step=bool(first if fresh is None else fresh),
                     samples=int(epoch[0]) if epoch else 0,
                     batch_bytes_per_sample=float(epoch[1]) if epoch else 0.0)
         if epoch:
