@@ -345,10 +345,10 @@ class StepModel:
     # peak (StepSampler.order_bytes; scaled in spread()); 0: none measured.
     order_bytes: int = 0
     complete: bool = True
-    # A run's first step (it traces the function, builds the optimizer's slots): it runs on
-    # a pool with no steps of the run behind it, so LAYOUT_SLACK, kept for the layout a
+    # The step runs on a pool no long run has been through (a run's first step, which traces
+    # the function and builds the optimizer's slots): LAYOUT_SLACK, kept for the layout a
     # long run leaves, is not kept (layout_margin).
-    first_step: bool = False
+    fresh: bool = False
     # The epoch's samples and the bytes per sample of one of its batches (Keras' pipeline
     # over arrays), when the prepared batches at a step's start are bounded by the epoch
     # (see _ops); 0: not bounded (a dataset, steps_per_epoch given, another framework).
@@ -419,7 +419,8 @@ class StepModel:
                     ev_flags=np.array(ev_flags, dtype=np.uint32), ev_fixed_lo=np.array(ev_flo),
                     ev_lo=np.array(ev_lo), ev_fixed_hi=np.array(ev_fhi), ev_hi=np.array(ev_hi), nslots=nslots,
                     base_batch=int(template.batch_size), layout=dict(template.layout),
-                    complete=bool(template.complete), order_bytes=int(max(0, order_bytes)), first_step=bool(first if fresh is None else fresh),
+                    complete=bool(template.complete), order_bytes=int(max(0, order_bytes)),
+                    fresh=bool(first if fresh is None else fresh),
                     samples=int(epoch[0]) if epoch else 0,
                     batch_bytes_per_sample=float(epoch[1]) if epoch else 0.0)
         if epoch:
@@ -497,7 +498,7 @@ class StepModel:
         first step, which no long run precedes. The zoo's embedding model under 76 MiB:
         the first step, building Adam's slots of its 12 MiB table, peaks at 74.5-74.8
         MiB whatever the batch size (823 trains); with 2% kept free, no size fitted."""
-        slack = 0.0 if self.first_step else LAYOUT_SLACK
+        slack = 0.0 if self.fresh else LAYOUT_SLACK
         if not self.layout.get("backs_on_demand", True):
             return int(slack * budget)
         return max(int(self.need(batch_size)["large_blocks_at_peak"]) * _granule(self.layout), int(slack * budget))
