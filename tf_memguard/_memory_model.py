@@ -355,6 +355,12 @@ class StepModel:
     samples: int = 0
     batch_bytes_per_sample: float = 0.0
     prepared_per_sample: float = 0.0  # tf.data's batches in the recorded step, per sample
+    # The bytes per sample of each of the epoch's arrays (x's and y's leaves): a batch of k
+    # samples of one is a block of k times that (_array_batches); (): unknown.
+    array_bytes: tuple = ()
+    # How many of the start blocks were added to the recorded ones (build's extra_start:
+    # batches other steps met, room for what a model fell short of); they are the last.
+    added_start: int = 0
 
     @classmethod
     def build(cls, template, other=None, start=None, observed_peak=None, first=False, extra_start=None,
@@ -422,7 +428,9 @@ class StepModel:
                     complete=bool(template.complete), order_bytes=int(max(0, order_bytes)),
                     fresh=bool(first if fresh is None else fresh),
                     samples=int(epoch[0]) if epoch else 0,
-                    batch_bytes_per_sample=float(epoch[1]) if epoch else 0.0)
+                    batch_bytes_per_sample=float(epoch[1]) if epoch else 0.0,
+                    array_bytes=tuple(float(v) for v in epoch[2]) if epoch and len(epoch) > 2 else (),
+                    added_start=len(s_size) - len(start.start_size))
         if epoch:
             model.prepared_per_sample = _prepared_total(model) / float(template.batch_size)
         peak = template.observed_peak if observed_peak is None else observed_peak
@@ -443,21 +451,8 @@ class StepModel:
         align = max(int(self.layout.get("alignment", 64)), 1)
         ev = np.where(self.ev_alloc, np.maximum(fixed + slope * b, 1.0), 0.0)
         st = self.start_fixed + self.start_slope * b
-        held = self.prepared_per_sample * b
-        if self.samples and self.batch_bytes_per_sample > 0 and held > 0:
-            # tf.data's batches (prepared ahead, live at the step's start or made during
-            # it) are batches of the same epoch: Keras makes an iterator per epoch over
-            # arrays, so at step k at most the full batches k..floor(n/b)-1 exist (a partial
-            # last one is not tagged). Scaled to b, what the recorded step held can pass
-            # that: on the zoo's autoencoder (2,048 samples) a step at 569 began with two
-            # batches, which at 1,139 would be 2,278 samples where one batch of 1,139
-            # exists.
-            most = self.batch_bytes_per_sample * b * (self.samples // max(int(b), 1))
-            if held > most:
-                f = most / held
-                start, made = _prepared(self)
-                st = np.where(start, st * f, st)
-                ev = np.where(made, ev * f, ev)
+        if self.samples and self.batch_bytes_per_sample > 0:
+            st, ev = self._bounded_by_epoch(b, st, ev)
         st = np.maximum(st, 1.0)
         ev = np.where(self.ev_alloc, np.maximum(ev, 1.0), 0.0)
         sizes = (np.ceil(np.concatenate([st, ev]) / align) * align).astype(np.uint64)
@@ -467,6 +462,55 @@ class StepModel:
         flags = np.concatenate([self.start_flags | _MUST,
                                 np.where(self.ev_alloc, self.ev_flags, _core.STEP_FREE).astype(np.uint32)])
         return sizes, slots, flags.astype(np.uint32), self.nslots
+
+    def _bounded_by_epoch(self, b, st, ev):
+        """The sizes at batch size `b` of the start blocks `st` and the events `ev`, with
+        Keras' batches over the epoch's arrays as the epoch allows them.
+
+        Keras makes an iterator per epoch over arrays: at batch size b the epoch has floor(n
+        / b) full batches and, where b does not divide n, one partial batch of n mod b
+        samples (untagged: its first dimension is not b). A step meets its own batch and
+        those tf.data prepared ahead (live at its start, or made during it and not freed;
+        see _prepared), at most the epoch's full batches; and where no batch is live at
+        its start, the step made its own during it (and freed it), so those it prepared are
+        at most the others. Scaled to b, what the recorded step held can pass that: on the
+        zoo's autoencoder (2,048 samples) the run's first step at 569 made the whole epoch
+        (three full batches and the partial one of 341), which at 1,139 would be three
+        batches of 1,139 where the epoch has one and a partial one of 909. The partial
+        batch's blocks take its size at b (_array_batches)."""
+        full_st, full_ev = _prepared(self)
+        rest = float(self.samples % max(int(b), 1))
+        unsized = rest  # the partial batch at b, where the step's blocks do not size it
+        if self.array_bytes:
+            u_st, u_ev, part_st, part_ev, per_st, per_ev = _array_batches(self)
+            st = np.where(part_st, rest * per_st, np.where(u_st, b * per_st, st))
+            ev = np.where(part_ev, rest * per_ev, np.where(u_ev, b * per_ev, ev))
+            full_st, full_ev = full_st | u_st, full_ev | u_ev
+            if part_st.any() or part_ev.any():
+                unsized = 0.0
+        held = float(st[full_st].sum() + ev[full_ev].sum())
+        # The share of the step's own batch it made during it: tf.data hands batches out in
+        # the order it made them, so what was live at the recorded start is the step's own
+        # batch first (blocks added to the start are batches other steps met, or room: not
+        # this step's). (Left out only where the partial batch is sized too: a model saved
+        # without the arrays' sizes keeps the older bound, which its partial batch, scaled
+        # as a line, needs.)
+        own = 0.0
+        if self.array_bytes:
+            b0 = float(self.base_batch)
+            recorded = full_st.copy()
+            recorded[len(recorded) - self.added_start:] = False
+            at_start = float((self.start_fixed[recorded] + self.start_slope[recorded] * b0).sum())
+            own = max(0.0, 1.0 - at_start / (self.batch_bytes_per_sample * b0))
+        # (A step that met no partial batch, at a size that divides the samples, or before
+        # tf.data made it: at b the held blocks may be it, for all the model knows.)
+        batches = self.samples // max(int(b), 1) - own
+        most = self.batch_bytes_per_sample * (b * max(batches, 0.0) + (unsized if self.array_bytes else 0.0))
+        if held > most:
+            f = most / held
+            st = np.where(full_st, st * f, st)
+            ev = np.where(full_ev, ev * f, ev)
+        return st, ev
 
     def spread(self, batch_size):
         """Bytes kept free at `batch_size` for the peaks of orders the template did not
@@ -579,6 +623,9 @@ class StepModel:
 
     @classmethod
     def from_dict(cls, d):
+        d = dict(d)
+        if "array_bytes" in d:
+            d["array_bytes"] = tuple(d["array_bytes"])
         types = {"start_fixed": np.float64, "start_slope": np.float64, "start_flags": np.uint32,
                  "ev_alloc": bool, "ev_slot": np.uint32, "ev_flags": np.uint32, "ev_fixed_lo": np.float64,
                  "ev_lo": np.float64, "ev_fixed_hi": np.float64, "ev_hi": np.float64}
@@ -598,6 +645,35 @@ def _prepared(model):
     freed[model.ev_slot[~model.ev_alloc]] = True
     made = model.ev_alloc & ((model.ev_flags & _BATCH) != 0) & (model.ev_hi > 0) & ~freed[model.ev_slot]
     return start, made
+
+
+def _array_batches(model):
+    """Keras' batches over the epoch's arrays that `model`'s step met untagged, as _prepared
+    counts tagged ones (live at its start, or made and not freed): blocks of 64 KiB or more
+    (smaller sizes recur everywhere) whose size at the recorded batch size b0 is b0, or
+    n mod b0 (the epoch's partial batch), times one array's bytes per sample, within the
+    pool's alignment. Masks of the start blocks and the events: (full, full, partial,
+    partial), and per block its array's bytes per sample (0 where none)."""
+    b0 = float(model.base_batch)
+    rest = model.samples % max(int(model.base_batch), 1)
+    tol = max(int(model.layout.get("alignment", 64) or 64), 64)
+    per = np.asarray(model.array_bytes, dtype=np.float64)
+    freed = np.zeros(model.nslots, dtype=bool)
+    freed[model.ev_slot[~model.ev_alloc]] = True
+
+    def which(sizes, candidates):
+        untagged = candidates & (sizes >= 1 << 16)
+        full_d = np.abs(sizes[:, None] - b0 * per[None, :])
+        part_d = np.abs(sizes[:, None] - rest * per[None, :]) if rest else np.full_like(full_d, np.inf)
+        full = untagged & (full_d.min(axis=1) <= tol)
+        part = untagged & ~full & (part_d.min(axis=1) <= tol)
+        s = np.where(full, per[full_d.argmin(axis=1)], np.where(part, per[part_d.argmin(axis=1)], 0.0))
+        return full, part, s
+    s_sizes = model.start_fixed + model.start_slope * b0
+    e_sizes = model.ev_fixed_hi + model.ev_hi * b0
+    s_full, s_part, s_per = which(s_sizes, (model.start_flags & _BATCH) == 0)
+    e_full, e_part, e_per = which(e_sizes, model.ev_alloc & ((model.ev_flags & _BATCH) == 0) & ~freed[model.ev_slot])
+    return s_full, e_full, s_part, e_part, s_per, e_per
 
 
 def _prepared_total(model):

@@ -331,10 +331,12 @@ def joined(*extras):
 
 
 def epoch_of(x, y, samples):
-    """(samples, bytes per sample of one batch) of the epochs fit() runs over the arrays x
-    and y (StepModel.build's `epoch`): what bounds the batches tf.data prepares ahead."""
+    """(samples, bytes per sample of one batch, bytes per sample of each array) of the
+    epochs fit() runs over the arrays x and y (StepModel.build's `epoch`): what bounds the
+    batches tf.data prepares ahead, and what sizes its batches of each array have."""
     import keras
     arrays = [a for a in keras.tree.flatten((x, y)) if a is not None and hasattr(a, "nbytes") and len(a)]
     if not samples or not arrays:
         return None
-    return int(samples), float(sum(a.nbytes / len(a) for a in arrays))
+    per = tuple(float(a.nbytes / len(a)) for a in arrays)
+    return int(samples), float(sum(per)), per

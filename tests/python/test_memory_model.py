@@ -222,6 +222,57 @@ def test_batches_prepared_ahead_are_bounded_by_the_epoch():
     assert saved.need(900)["peak_account"] == bounded.need(900)["peak_account"]
 
 
+def test_a_step_that_made_the_whole_epochs_batches_is_bounded_by_the_epoch_at_every_size():
+    """A run's first step over n = 1,000 samples of two arrays (x, y: 16 KiB per sample
+    each) at b = 300 meets no batch at its start: it makes its own (tagged, freed once
+    used), the epoch's two other full batches (tagged, prepared ahead) and its partial
+    batch of 100 (untagged: its first dimension is not b). At b = 400 the epoch holds one
+    full batch besides the step's own and a partial one of 200; above 500, none and a
+    partial one of n - b. The model gives each size exactly that (the old bound kept one
+    full batch too many, and the partial batch at its recorded size)."""
+    n, per = 1000, 16 << 10
+    act = MiB // 4
+
+    def first_step(pool, b):
+        live = pool.live_blocks()
+        pool.trace_start(1 << 16)
+        own = [pool.allocate(b * per, batch=True, kind="kernel") for _ in range(2)]
+        ahead = [pool.allocate(b * per, batch=True, kind="kernel") for _ in range(2 * (n // b - 1))]
+        partial = [pool.allocate(n % b * per, kind="kernel") for _ in range(2)] if n % b else []
+        a = pool.allocate(b * act, batch=True, kind="kernel")
+        pool.free(a)
+        for o in own:
+            pool.free(o)
+        pool.trace_start(0)
+        t = mm.StepTrace.from_pool(pool, live, b)
+        for blk in ahead + partial:
+            pool.free(blk)
+        return t
+
+    def truth(b):  # weights, the step's own batch, the others, the partial one, the activation
+        return 4 * MiB + 2 * per * (b + (n // b - 1) * b + n % b) + b * act
+
+    pool = make_pool()
+    t300, t200 = first_step(pool, 300), first_step(pool, 200)
+    model = mm.StepModel.build(t300, t200, first=True, epoch=(n, 2.0 * per, (float(per), float(per))))
+    for b in (300, 400, 450, 600, 900):
+        got = model.need(b)["peak_account"]
+        assert abs(got - truth(b)) <= 16 * 64, (b, got / MiB, truth(b) / MiB)
+    saved = mm.StepModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert saved.need(600)["peak_account"] == model.need(600)["peak_account"]
+    # Recorded at a size that divides the samples, the step met no partial batch: at one
+    # that does not, the epoch's rest (its partial batch among it) is still held.
+    pool = make_pool()
+    t250, t200 = first_step(pool, 250), first_step(pool, 200)
+    divides = mm.StepModel.build(t250, t200, first=True, epoch=(n, 2.0 * per, (float(per), float(per))))
+    for b in (250, 400, 600, 900):
+        assert divides.need(b)["peak_account"] >= truth(b) - 16 * 64, b
+    # Without the arrays' sizes (a report saved before them) the bound is the older one:
+    # never less than the truth.
+    plain = mm.StepModel.build(t300, t200, first=True, epoch=(n, 2.0 * per))
+    assert all(plain.need(b)["peak_account"] >= truth(b) - 16 * 64 for b in (400, 600, 900))
+
+
 def test_an_order_met_once_at_the_top_is_kept_free_above_it_and_scales_with_the_batch():
     # Steps alike (same bytes at their start, same batches prepared at their end) that
     # peaked at 216.7, 219.4 (twice) and, once, 223.3 MiB: an order above the highest is
