@@ -273,6 +273,29 @@ def test_a_step_that_made_the_whole_epochs_batches_is_bounded_by_the_epoch_at_ev
     assert all(plain.need(b)["peak_account"] >= truth(b) - 16 * 64 for b in (400, 600, 900))
 
 
+def test_a_batch_scaled_to_the_other_size_does_not_take_a_fixed_workspaces_partner():
+    """A fixed 1 MiB workspace (untagged) in steps at 16 and 32; at 16 two batch-shaped
+    blocks of 32 KiB a sample (one a batch prepared ahead, which the step at 32 did not
+    meet), at 32 one: 1 MiB, the workspace's size. The batch blocks' partners are tagged
+    ones; the workspace stays fixed (it used to lose its partner to the second batch block
+    and be taken as proportional: 4 MiB at 64)."""
+    def made(pool, b, batches):
+        live = pool.live_blocks()
+        pool.trace_start(1 << 16)
+        blocks = [pool.allocate(b * (32 << 10), batch=True, kind="kernel") for _ in range(batches)]
+        blocks.append(pool.allocate(MiB, kind="kernel"))
+        for a in blocks[::-1]:
+            pool.free(a)
+        pool.trace_start(0)
+        return mm.StepTrace.from_pool(pool, live, b)
+    pool = make_pool()
+    t16, t32 = made(pool, 16, 2), made(pool, 32, 1)
+    fixed_lo, lo, fixed_hi, hi = mm._match(t16, t32)
+    assert (fixed_lo[2], lo[2], fixed_hi[2], hi[2]) == (MiB, 0.0, MiB, 0.0)
+    assert all(lo[i] == hi[i] == 32 << 10 and fixed_lo[i] == fixed_hi[i] == 0 for i in (0, 1))
+    assert mm.StepModel.build(t16, t32).need(64)["peak_account"] == 4 * MiB + 2 * 64 * (32 << 10) + MiB
+
+
 def test_an_order_met_once_at_the_top_is_kept_free_above_it_and_scales_with_the_batch():
     # Steps alike (same bytes at their start, same batches prepared at their end) that
     # peaked at 216.7, 219.4 (twice) and, once, 223.3 MiB: an order above the highest is
