@@ -38,7 +38,7 @@ import dataclasses
 
 import numpy as np
 
-from tf_memguard import _core
+from tf_memguard import _core, _epoch
 
 _KIND_SHIFT = _core.ALLOC_KIND_SHIFT
 # The share of the budget a replay keeps free for the layout a long run leaves: a replay
@@ -109,6 +109,12 @@ class StepTrace:
                    address=t["address"].astype(np.uint64), flags=t["flags"].astype(np.uint32),
                    complete=complete, layout=pool.layout(), ordered=ordered)
 
+    def footprint(self):
+        """The most bytes of backing granules (the layout's page_bytes; 0: none) that the
+        step's live blocks touched at once, at their recorded addresses (granule_footprint)."""
+        g = int(self.layout.get("page_bytes", 0) or 0) if self.layout.get("backs_on_demand", True) else 0
+        return granule_footprint(self.start_address, self.start_size, self.op, self.size, self.address, g)
+
     # -- the step as replay ops --------------------------------------------------------
 
     def allocations(self):
@@ -124,6 +130,51 @@ class StepTrace:
         arrays = {"start_size": np.uint64, "start_flags": np.uint32, "start_address": np.uint64,
                   "op": np.uint32, "size": np.uint64, "address": np.uint64, "flags": np.uint32}
         return cls(**{k: (np.asarray(v, dtype=arrays[k]) if k in arrays else v) for k, v in d.items()})
+
+
+def granule_footprint(start_address, start_size, op, size, address, granule):
+    """The most bytes of granules that live blocks touched at once over a recorded step:
+    the blocks live at its start, then its events (op, size, address: tfmg_trace_op order;
+    refused requests hold nothing). A pool backed on demand needs at least this much
+    backed, whatever its bytes in use: a granule partly used by a small block cannot be
+    given back. Granule 0 (not backed on demand): the most bytes in use.
+
+    The granules a block covers whole are its own; the ones at its ends it can share with
+    neighbours, so those are counted by how many live blocks touch them."""
+    s_addr = np.asarray(start_address, dtype=np.int64)
+    s_size = np.asarray(start_size, dtype=np.int64)
+    op = np.asarray(op)
+    keep = (op != _REFUSE) & (np.asarray(address) != 0)
+    e_addr = np.asarray(address, dtype=np.int64)[keep]
+    e_size = np.asarray(size, dtype=np.int64)[keep]
+    sign = np.concatenate([np.ones(len(s_addr), dtype=np.int64),
+                           np.where(op[keep] == _FREE, -1, 1).astype(np.int64)])
+    addr = np.concatenate([s_addr, e_addr])
+    nbytes = np.maximum(np.concatenate([s_size, e_size]), 1)
+    # Time: every start block at 0, then each event.
+    when = np.concatenate([np.zeros(len(s_addr), dtype=np.int64), np.arange(1, len(e_addr) + 1, dtype=np.int64)])
+    steps = len(e_addr) + 1
+    if granule <= 0:
+        return int(np.cumsum(np.bincount(when, weights=sign * nbytes, minlength=steps)).max()) if len(addr) else 0
+    g = int(granule)
+    first, last = addr // g, (addr + nbytes - 1) // g
+    inner = np.maximum(last - first - 1, 0)
+    whole = np.cumsum(np.bincount(when, weights=sign * inner, minlength=steps))
+    # The end granules, by how many live blocks touch each: one record per block end.
+    two = last > first
+    gr = np.concatenate([first, last[two]])
+    t = np.concatenate([when, when[two]])
+    sg = np.concatenate([sign, sign[two]])
+    order = np.lexsort((t, gr))
+    gr, t, sg = gr[order], t[order], sg[order]
+    count = np.cumsum(sg)
+    starts = np.flatnonzero(np.r_[True, gr[1:] != gr[:-1]])
+    base = np.repeat(count[starts] - sg[starts], np.diff(np.r_[starts, len(gr)]))
+    count = count - base          # live blocks touching the granule after each record
+    before = count - sg
+    change = np.where((before == 0) & (count > 0), 1, np.where((before > 0) & (count == 0), -1, 0))
+    ends = np.cumsum(np.bincount(t, weights=change, minlength=steps))
+    return int((whole + ends).max() * g)
 
 
 def _match(template, other, fixed_kinds=(), fixed_sizes=()):
@@ -364,7 +415,7 @@ class StepModel:
     batch_bytes_per_sample: float = 0.0
     prepared_per_sample: float = 0.0  # tf.data's batches in the recorded step, per sample
     # The bytes per sample of each of the epoch's arrays (x's and y's leaves): a batch of k
-    # samples of one is a block of k times that (_array_batches); (): unknown.
+    # samples of one is a block of k times that (_epoch.array_batches); (): unknown.
     array_bytes: tuple = ()
     # How many of the start blocks were added to the recorded ones (build's extra_start:
     # batches other steps met, room for what a model fell short of); they are the last.
@@ -372,7 +423,7 @@ class StepModel:
 
     @classmethod
     def build(cls, template, other=None, start=None, observed_peak=None, first=False, extra_start=None,
-              epoch=None, order_bytes=0, fresh=None):
+              epoch=None, order_bytes=0, fresh=None, layout_bytes=0):
         """The model of `template`'s step (complete), its untagged blocks' slopes from
         `other`, starting from `start`'s live blocks (default: template's own) and
         `extra_start` ((sizes, flags) of more blocks live then, recorded at start's batch
@@ -386,7 +437,9 @@ class StepModel:
         kernels not met could peak at the recorded size (see spread()). `fresh`: the step
         runs on a pool no long run has been through, so LAYOUT_SLACK is not kept (default:
         `first`; after an out-of-memory error the retry's first step meets the failed
-        run's layout, and the slack is kept)."""
+        run's layout, and the slack is kept). `layout_bytes`: how many more bytes of
+        backing granules than the run's template another of its steps touched
+        (StepSampler.layout_bytes), kept free (as spread, where more)."""
         start = start or template
         fixed_kinds = [KINDS.index(k) for k in ("constant", "copy", "tensor", "raw", "data", "input")] if first else ()
         weights = start.start_size[(start.start_flags & _BATCH) == 0]
@@ -440,11 +493,17 @@ class StepModel:
                     array_bytes=tuple(float(v) for v in epoch[2]) if epoch and len(epoch) > 2 else (),
                     added_start=len(s_size) - len(start.start_size))
         if epoch:
-            model.prepared_per_sample = _prepared_total(model) / float(template.batch_size)
+            model.prepared_per_sample = _epoch.prepared_total(model) / float(template.batch_size)
         peak = template.observed_peak if observed_peak is None else observed_peak
         if peak:
             replayed = model.need(template.batch_size)["peak_account"]
             model.spread_bytes = int(max(0, peak - replayed))
+        # The replay places the template's blocks as the pool placed them (the granules
+        # it touches are the recorded step's to 0.3% on the zoo's models), but another
+        # step of the run can leave small blocks in more granules partly used at a lower
+        # peak: the zoo's BiLSTM (48 MiB budget) touched up to 0.94 MiB more than its
+        # template in a run at 139, 0.50 at 270 (not more at the larger size: kept whole).
+        model.spread_bytes = int(max(model.spread_bytes, layout_bytes))
         return model
 
     # -- sizes and replays ---------------------------------------------------------------
@@ -460,7 +519,7 @@ class StepModel:
         ev = np.where(self.ev_alloc, np.maximum(fixed + slope * b, 1.0), 0.0)
         st = self.start_fixed + self.start_slope * b
         if self.samples and self.batch_bytes_per_sample > 0:
-            st, ev = self._bounded_by_epoch(b, st, ev)
+            st, ev = _epoch.bounded(self, b, st, ev)
         st = np.maximum(st, 1.0)
         ev = np.where(self.ev_alloc, np.maximum(ev, 1.0), 0.0)
         sizes = (np.ceil(np.concatenate([st, ev]) / align) * align).astype(np.uint64)
@@ -470,55 +529,6 @@ class StepModel:
         flags = np.concatenate([self.start_flags | _MUST,
                                 np.where(self.ev_alloc, self.ev_flags, _core.STEP_FREE).astype(np.uint32)])
         return sizes, slots, flags.astype(np.uint32), self.nslots
-
-    def _bounded_by_epoch(self, b, st, ev):
-        """The sizes at batch size `b` of the start blocks `st` and the events `ev`, with
-        Keras' batches over the epoch's arrays as the epoch allows them.
-
-        Keras makes an iterator per epoch over arrays: at batch size b the epoch has floor(n
-        / b) full batches and, where b does not divide n, one partial batch of n mod b
-        samples (untagged: its first dimension is not b). A step meets its own batch and
-        those tf.data prepared ahead (live at its start, or made during it and not freed;
-        see _prepared), at most the epoch's full batches; and where no batch is live at
-        its start, the step made its own during it (and freed it), so those it prepared are
-        at most the others. Scaled to b, what the recorded step held can pass that: on the
-        zoo's autoencoder (2,048 samples) the run's first step at 569 made the whole epoch
-        (three full batches and the partial one of 341), which at 1,139 would be three
-        batches of 1,139 where the epoch has one and a partial one of 909. The partial
-        batch's blocks take its size at b (_array_batches)."""
-        full_st, full_ev = _prepared(self)
-        rest = float(self.samples % max(int(b), 1))
-        unsized = rest  # the partial batch at b, where the step's blocks do not size it
-        if self.array_bytes:
-            u_st, u_ev, part_st, part_ev, per_st, per_ev = _array_batches(self)
-            st = np.where(part_st, rest * per_st, np.where(u_st, b * per_st, st))
-            ev = np.where(part_ev, rest * per_ev, np.where(u_ev, b * per_ev, ev))
-            full_st, full_ev = full_st | u_st, full_ev | u_ev
-            if part_st.any() or part_ev.any():
-                unsized = 0.0
-        held = float(st[full_st].sum() + ev[full_ev].sum())
-        # The share of the step's own batch it made during it: tf.data hands batches out in
-        # the order it made them, so what was live at the recorded start is the step's own
-        # batch first (blocks added to the start are batches other steps met, or room: not
-        # this step's). (Left out only where the partial batch is sized too: a model saved
-        # without the arrays' sizes keeps the older bound, which its partial batch, scaled
-        # as a line, needs.)
-        own = 0.0
-        if self.array_bytes:
-            b0 = float(self.base_batch)
-            recorded = full_st.copy()
-            recorded[len(recorded) - self.added_start:] = False
-            at_start = float((self.start_fixed[recorded] + self.start_slope[recorded] * b0).sum())
-            own = max(0.0, 1.0 - at_start / (self.batch_bytes_per_sample * b0))
-        # (A step that met no partial batch, at a size that divides the samples, or before
-        # tf.data made it: at b the held blocks may be it, for all the model knows.)
-        batches = self.samples // max(int(b), 1) - own
-        most = self.batch_bytes_per_sample * (b * max(batches, 0.0) + (unsized if self.array_bytes else 0.0))
-        if held > most:
-            f = most / held
-            st = np.where(full_st, st * f, st)
-            ev = np.where(full_ev, ev * f, ev)
-        return st, ev
 
     def spread(self, batch_size):
         """Bytes kept free at `batch_size` for the peaks of orders the template did not
@@ -638,59 +648,6 @@ class StepModel:
                  "ev_alloc": bool, "ev_slot": np.uint32, "ev_flags": np.uint32, "ev_fixed_lo": np.float64,
                  "ev_lo": np.float64, "ev_fixed_hi": np.float64, "ev_hi": np.float64}
         return cls(**{k: (np.asarray(v, dtype=types[k]) if k in types else v) for k, v in d.items()})
-
-
-def _prepared(model):
-    """Which blocks are tf.data's batches (as _recording.prepared_bytes counts them): the
-    batch-tagged blocks live at the step's start, and the batch-tagged blocks the step
-    makes and does not free (batches prepared during it; a Keras pipeline that shuffles
-    makes them in a map function's kernels, not as kind "data"). Masks of the start
-    blocks and of the events."""
-    # (Not kind "other": the plugin tags only blocks whose request it knows; a tagged block
-    # of kind "other" is a model's own correction, find_batch_size's shortfall.)
-    start = ((model.start_flags & _BATCH) != 0) & (model.start_slope > 0) & (kind_of(model.start_flags) != 0)
-    freed = np.zeros(model.nslots, dtype=bool)
-    freed[model.ev_slot[~model.ev_alloc]] = True
-    made = model.ev_alloc & ((model.ev_flags & _BATCH) != 0) & (model.ev_hi > 0) & ~freed[model.ev_slot]
-    return start, made
-
-
-def _array_batches(model):
-    """Keras' batches over the epoch's arrays that `model`'s step met untagged, as _prepared
-    counts tagged ones (live at its start, or made and not freed): blocks of 64 KiB or more
-    (smaller sizes recur everywhere) whose size at the recorded batch size b0 is b0, or
-    n mod b0 (the epoch's partial batch), times one array's bytes per sample, within the
-    pool's alignment. Masks of the start blocks and the events: (full, full, partial,
-    partial), and per block its array's bytes per sample (0 where none)."""
-    b0 = float(model.base_batch)
-    rest = model.samples % max(int(model.base_batch), 1)
-    tol = max(int(model.layout.get("alignment", 64) or 64), 64)
-    per = np.asarray(model.array_bytes, dtype=np.float64)
-    freed = np.zeros(model.nslots, dtype=bool)
-    freed[model.ev_slot[~model.ev_alloc]] = True
-
-    def which(sizes, candidates):
-        untagged = candidates & (sizes >= 1 << 16)
-        full_d = np.abs(sizes[:, None] - b0 * per[None, :])
-        part_d = np.abs(sizes[:, None] - rest * per[None, :]) if rest else np.full_like(full_d, np.inf)
-        full = untagged & (full_d.min(axis=1) <= tol)
-        part = untagged & ~full & (part_d.min(axis=1) <= tol)
-        s = np.where(full, per[full_d.argmin(axis=1)], np.where(part, per[part_d.argmin(axis=1)], 0.0))
-        return full, part, s
-    s_sizes = model.start_fixed + model.start_slope * b0
-    e_sizes = model.ev_fixed_hi + model.ev_hi * b0
-    s_full, s_part, s_per = which(s_sizes, (model.start_flags & _BATCH) == 0)
-    e_full, e_part, e_per = which(e_sizes, model.ev_alloc & ((model.ev_flags & _BATCH) == 0) & ~freed[model.ev_slot])
-    return s_full, e_full, s_part, e_part, s_per, e_per
-
-
-def _prepared_total(model):
-    """The bytes of tf.data's batches in `model`'s step at its recorded batch size: those
-    live at its start and those it prepares (_prepared), all live at its end."""
-    b = float(model.base_batch)
-    start, made = _prepared(model)
-    return float((model.start_fixed[start] + model.start_slope[start] * b).sum() +
-                 (model.ev_fixed_hi[made] + model.ev_hi[made] * b).sum())
 
 
 def _replay_upstream(layout):

@@ -81,6 +81,10 @@ class StepSampler:
         # batch-tagged bytes at its end): steps alike but for their kernels' order.
         self._alike = {}
         self._began = 0
+        # The most bytes of backing granules the live blocks of a full step at b0 touched
+        # at once (StepTrace.footprint), over the steps and in the template.
+        self.footprint = 0
+        self.template_footprint = 0
 
     # -- fit()'s hooks -----------------------------------------------------------------
 
@@ -124,13 +128,14 @@ class StepSampler:
             s = self.pool.stats()
             peak = s["window_peak_bytes_in_use"]
             self._alike.setdefault((self._began, int(s["batch_bytes_in_use"])), []).append(int(peak))
-            if peak <= self.template_peak:
-                self.recorder.abort()
-                return
             trace = self.recorder.end(True)
-            if trace is not None:
-                self.template, self.template_peak = trace, peak
-                self._model = None
+            if trace is None:
+                return
+            footprint = trace.footprint()
+            self.footprint = max(self.footprint, footprint)
+            if peak > self.template_peak:
+                self.template, self.template_peak, self.template_footprint = trace, peak, footprint
+            self._model = None
         elif which == "other":
             trace = self.recorder.end(True)
             if trace is not None:
@@ -193,7 +198,7 @@ class StepSampler:
             order = self.order_bytes()
             steady = StepModel.build(self.template, self.other, observed_peak=observed_peak or None,
                                      extra_start=self._unmet_prepared(self.template), epoch=self.data.epoch,
-                                     order_bytes=order) \
+                                     order_bytes=order, layout_bytes=self.layout_bytes()) \
                 if self.template is not None else None
             # (Not the first step's: a run's first step meets the pipeline as it starts.)
             first = StepModel.build(self.first, self.other, first=True, epoch=self.data.epoch, order_bytes=order) \
@@ -204,7 +209,9 @@ class StepSampler:
             if self.static and self.lone is not None and self.lone.complete:
                 # The other trace: the short fit()'s step, for the sizes that do not divide
                 # the samples.
-                models.append(StepModel.build(self.lone, start, epoch=self.data.epoch, order_bytes=order))
+                # (The run's layout too: the retry runs epochs on the pool.)
+                models.append(StepModel.build(self.lone, start, epoch=self.data.epoch, order_bytes=order,
+                                              layout_bytes=self.layout_bytes()))
                 domains.append("dynamic")
             self._model = StepModels(models, domains, samples=self.data.n if self.tf else None)
         return self._model
@@ -225,6 +232,12 @@ class StepSampler:
         50 MiB) came in a quarter of them, and the answer needs no more room."""
         same = max(int(self.pool.layout().get("page_bytes", 0) or 0), 1)
         return max((order_gap(peaks, same) for peaks in alike_groups(self._alike, same)), default=0)
+
+    def layout_bytes(self):
+        """How many more bytes of backing granules than the template's the live blocks of
+        the run's widest step at b0 touched at once (StepTrace.footprint): a layout the
+        template's replay does not show (StepModel.build's layout_bytes)."""
+        return max(0, self.footprint - self.template_footprint) if self.template is not None else 0
 
     def _unmet_prepared(self, trace):
         """The batches prepared ahead that other steps at b0 met and `trace` did not (see
@@ -249,8 +262,8 @@ class StepSampler:
         sizes = [t.batch_size for t in (self.template or self.first, self.other) if t is not None]
         what = "the memory model of steps at " + " and ".join(str(b) for b in sizes)
         kept = self._model.spread(self.b0) if self._model is not None else 0
-        return what + (f" (kept free at {self.b0} for orders of the kernels not met: {kept >> 20} MiB, "
-                       "more at larger sizes)" if kept >= 1 << 20 else "")
+        return what + (f" (kept free at {self.b0} for the peaks and layouts of other steps and orders of the "
+                       f"kernels not met: {kept >> 20} MiB)" if kept >= 1 << 20 else "")
 
     def after_oom_needs_steps(self):
         """True when the advice after the refused step needs steps of its own (array data,

@@ -296,6 +296,68 @@ def test_a_batch_scaled_to_the_other_size_does_not_take_a_fixed_workspaces_partn
     assert mm.StepModel.build(t16, t32).need(64)["peak_account"] == 4 * MiB + 2 * 64 * (32 << 10) + MiB
 
 
+def test_the_granule_footprint_counts_a_granule_shared_by_small_blocks_once():
+    """Granules of 64 KiB. A block live at the step's start over [4, 5 granules + 100 B) touches
+    two; a small block next to it shares the second; a 1 MiB block at 2 MiB + 32 KiB
+    touches 17 (a refused request, nothing). Then the first block goes: its second granule
+    stays touched by the small block, and two granules more at 10 x 64 KiB make three."""
+    g, K = 64 << 10, 1 << 10
+    ALLOC, FREE, REFUSE = 0, 1, 2
+
+    def footprint(events, start=((4 * g, g + 100),), granule=g):
+        op, size, addr = (np.array([e[i] for e in events]) for i in range(3))
+        return mm.granule_footprint([a for a, _ in start], [n for _, n in start], op, size, addr, granule)
+    small = (ALLOC, 100, 5 * g + 100)
+    assert footprint([small, (ALLOC, MiB, 2 * MiB + 32 * K), (REFUSE, 8 * MiB, 0)]) == (2 + 17) * g
+    assert footprint([small, (FREE, g + 100, 4 * g), (ALLOC, 2 * g, 10 * g)]) == 3 * g
+    # Not backed on demand: the most bytes live at once.
+    assert footprint([small], granule=0) == g + 200
+
+
+def test_a_step_whose_layout_touched_more_granules_than_the_templates_is_kept_free():
+    pool = make_pool()
+    t64, t32 = record(pool, 64), record(pool, 32)
+    plain = mm.StepModel.build(t64, t32)
+    assert plain.spread_bytes == 0
+    wider = mm.StepModel.build(t64, t32, layout_bytes=3 * MiB)
+    assert wider.spread_bytes == 3 * MiB
+    budget = 200 * MiB
+    assert wider.largest_fitting(budget) < plain.largest_fitting(budget)
+    assert wider.fits(wider.largest_fitting(budget), budget - 3 * MiB + 3 * MiB)
+    assert not wider.fits(plain.largest_fitting(budget), budget)
+
+
+def test_fit_steps_whose_small_blocks_touched_more_granules_than_the_template_widen_the_spread():
+    """Two steps at 64 as fit() runs them: A peaks at 3 MiB in one block (the template: the
+    highest peak); B makes 64 blocks of 32 KiB, frees every other one (each left alone in
+    its 64 KiB granule) and then a 1.5 MiB block: it peaks lower (2.5 MiB) but its live
+    blocks touch 3.5 MiB of granules. The model keeps the 0.5 MiB free."""
+    from tf_memguard._steps import StepSampler
+    pool = make_pool()
+    sampler = StepSampler(pool, 64)
+    sampler.epoch_begin(0)
+    sampler.step_begin(0, 0)
+    pool.free(pool.allocate(MiB, kind="kernel"))
+    sampler.step_end(0, 0)
+    sampler.step_begin(0, 1)
+    pool.free(pool.allocate(3 * MiB, kind="kernel"))
+    sampler.step_end(0, 1)
+    sampler.step_begin(0, 2)
+    small = [pool.allocate(32 << 10, kind="kernel") for _ in range(64)]
+    for a in small[::2]:
+        pool.free(a)
+    pool.free(pool.allocate(3 * MiB // 2, kind="kernel"))
+    for a in small[1::2]:
+        pool.free(a)
+    sampler.step_end(0, 2)
+    sampler.train_end()
+    assert sampler.template.footprint() == sampler.template_footprint == 7 * MiB   # 4 MiB of weights
+    assert sampler.footprint == 7 * MiB + MiB // 2
+    assert sampler.layout_bytes() == MiB // 2
+    steady = sampler.model().models[0]
+    assert steady.spread_bytes == MiB // 2
+
+
 def test_an_order_met_once_at_the_top_is_kept_free_above_it_and_scales_with_the_batch():
     # Steps alike (same bytes at their start, same batches prepared at their end) that
     # peaked at 216.7, 219.4 (twice) and, once, 223.3 MiB: an order above the highest is
