@@ -29,15 +29,17 @@ def bounded(model, b, st, ev):
     zoo's autoencoder (2,048 samples) the run's first step at 569 made the whole epoch
     (three full batches and the partial one of 341), which at 1,139 would be three
     batches of 1,139 where the epoch has one and a partial one of 909. The partial
-    batch's blocks take its size at b (array_batches)."""
+    batch's blocks take its size at b where larger (array_batches)."""
     full_st, full_ev = prepared(model)
     rest = float(model.samples % max(int(b), 1))
     unsized = rest  # the partial batch at b, where the step's blocks do not size it
     if model.array_bytes:
-        u_st, u_ev, part_st, part_ev, per_st, per_ev = array_batches(model)
-        st = np.where(part_st, rest * per_st, np.where(u_st, b * per_st, st))
-        ev = np.where(part_ev, rest * per_ev, np.where(u_ev, b * per_ev, ev))
-        full_st, full_ev = full_st | u_st, full_ev | u_ev
+        # Never below its recorded size: a block of a weight's size can pass for a partial
+        # batch (the zoo's wide MLP at 128 made Adam's slots of a 8,192 x 128 kernel, as
+        # large as 128 samples of its 8,192 features), and a weight does not shrink.
+        part_st, part_ev, per_st, per_ev = array_batches(model)
+        st = np.where(part_st, np.maximum(st, rest * per_st), st)
+        ev = np.where(part_ev, np.maximum(ev, rest * per_ev), ev)
         if part_st.any() or part_ev.any():
             unsized = 0.0
     held = float(st[full_st].sum() + ev[full_ev].sum())
@@ -81,32 +83,32 @@ def prepared(model):
 
 
 def array_batches(model):
-    """Keras' batches over the epoch's arrays that `model`'s step met untagged, as prepared
-    counts tagged ones (live at its start, or made and not freed): blocks of 64 KiB or more
-    (smaller sizes recur everywhere) whose size at the recorded batch size b0 is b0, or
-    n mod b0 (the epoch's partial batch), times one array's bytes per sample, within the
-    pool's alignment. Masks of the start blocks and the events: (full, full, partial,
-    partial), and per block its array's bytes per sample (0 where none)."""
-    b0 = float(model.base_batch)
+    """The epoch's partial batch among the blocks of `model`'s step (untagged: its first
+    dimension is not the batch size), live at its start or made and not freed: blocks of
+    64 KiB or more (smaller sizes recur everywhere) whose size is n mod b0 times one
+    array's bytes per sample, within the pool's alignment (b0: the recorded batch size).
+    Masks of the start blocks and the events, and per block its array's bytes per sample
+    (0 where none). (Untagged blocks of a full batch's size are not taken as batches:
+    tf.data's batches made while a size is profiled are tagged, and the untagged ones of
+    that size met were a folded constant, the autoencoder's at 512, and Adam's slots of
+    the wide MLP's first kernel at 128.)"""
     rest = model.samples % max(int(model.base_batch), 1)
+    b0 = float(model.base_batch)
     tol = max(int(model.layout.get("alignment", 64) or 64), 64)
     per = np.asarray(model.array_bytes, dtype=np.float64)
     freed = np.zeros(model.nslots, dtype=bool)
     freed[model.ev_slot[~model.ev_alloc]] = True
 
     def which(sizes, candidates):
-        untagged = candidates & (sizes >= 1 << 16)
-        full_d = np.abs(sizes[:, None] - b0 * per[None, :])
-        part_d = np.abs(sizes[:, None] - rest * per[None, :]) if rest else np.full_like(full_d, np.inf)
-        full = untagged & (full_d.min(axis=1) <= tol)
-        part = untagged & ~full & (part_d.min(axis=1) <= tol)
-        s = np.where(full, per[full_d.argmin(axis=1)], np.where(part, per[part_d.argmin(axis=1)], 0.0))
-        return full, part, s
-    s_sizes = model.start_fixed + model.start_slope * b0
-    e_sizes = model.ev_fixed_hi + model.ev_hi * b0
-    s_full, s_part, s_per = which(s_sizes, (model.start_flags & _BATCH) == 0)
-    e_full, e_part, e_per = which(e_sizes, model.ev_alloc & ((model.ev_flags & _BATCH) == 0) & ~freed[model.ev_slot])
-    return s_full, e_full, s_part, e_part, s_per, e_per
+        if not rest or not len(per):
+            return np.zeros(len(sizes), dtype=bool), np.zeros(len(sizes))
+        d = np.abs(sizes[:, None] - rest * per[None, :])
+        part = candidates & (sizes >= 1 << 16) & (d.min(axis=1) <= tol)
+        return part, np.where(part, per[d.argmin(axis=1)], 0.0)
+    s_part, s_per = which(model.start_fixed + model.start_slope * b0, (model.start_flags & _BATCH) == 0)
+    e_part, e_per = which(model.ev_fixed_hi + model.ev_hi * b0,
+                          model.ev_alloc & ((model.ev_flags & _BATCH) == 0) & ~freed[model.ev_slot])
+    return s_part, e_part, s_per, e_per
 
 
 def prepared_total(model):

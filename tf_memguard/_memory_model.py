@@ -231,6 +231,8 @@ def _match(template, other, fixed_kinds=(), fixed_sizes=()):
         fixed_lo[i], slope_lo[i], fixed_hi[i], slope_hi[i] = fixed, slope, fixed, slope
         done[i] = True
 
+    # An untagged block of a weight's size still live at the step's end (see below).
+    state = _live_at_end(template) & np.isin(size, list(weight_set)) if weight_set else np.zeros(len(size), bool)
     pairs = _ordered_pairs(template, other) if other is not None and template.ordered and other.ordered \
         and other.batch_size != template.batch_size else None
     if pairs is not None:
@@ -281,6 +283,14 @@ def _match(template, other, fixed_kinds=(), fixed_sizes=()):
             for i in mine:
                 if done[i]:
                     continue
+                if not tagged[i] and state[i]:
+                    # State the step made (below) is fixed before the partners are taken:
+                    # the wide MLP's first step at 128 made six 4 MiB blocks (its kernel's
+                    # size: Adam's two slots among them), the step at 64 four; the slots took
+                    # two of the four partners, and a gradient left over, paired by rank,
+                    # became proportional (the first step's model named 158; 348 trains).
+                    line(i, size[i], 0.0)
+                    continue
                 if not tagged[i] and take(size[i], False):
                     line(i, size[i], 0.0)
                     continue
@@ -303,11 +313,9 @@ def _match(template, other, fixed_kinds=(), fixed_sizes=()):
     # two 2 MiB slots of its first layer; a third 2 MiB block of that step had no match
     # either, the weights' share (below) allowed two, and the slot left over, taken as
     # proportional (128 KiB a sample), made the first step's model name 78 where 348 trains.
-    if weight_set:
-        kept = _live_at_end(template)
-        for i in rest[~done[rest]]:
-            if kept[i] and size[i] in weight_set:
-                line(i, size[i], 0.0)
+    for i in rest[~done[rest]]:
+        if state[i]:
+            line(i, size[i], 0.0)
     for i in _weight_copies(size, rest[~done[rest]], fixed_sizes):
         line(i, size[i], 0.0)
     return fixed_lo, slope_lo, fixed_hi, slope_hi
