@@ -71,13 +71,14 @@ else:
     # The retry comes after the except block, as the README says: while an exception is
     # handled, it holds the failed fit()'s frames, and with them its copy of the data.
     gc.collect()
-    size = tf_memguard.report().suggested_batch_size
+    rep = tf_memguard.report()
+    size, method = rep.suggested_batch_size, rep.suggestion_method
     try:
         m.fit(x, y, batch_size=size, epochs=2, verbose=0, callbacks=[cb])
         retry = True
     except tf.errors.ResourceExhaustedError:
         retry = False
-    emit(oom=True, suggested=size, retry_trained=retry, note=note[:600])
+    emit(oom=True, suggested=size, retry_trained=retry, note=note[:600], method=method)
 """
 
 FIND = PRELUDE + """
@@ -186,6 +187,7 @@ def evaluate(name, budget, known=None):
         "oom_batch": int(limit * 1.6), "oom_raised": oom["oom"], "after_oom_suggested": oom.get("suggested"),
         "after_oom_over_limit": round(oom["suggested"] / limit, 3) if oom.get("suggested") else None,
         "after_oom_retry_trained": oom.get("retry_trained"), "oom_note": oom.get("note"),
+        "after_oom_method": oom.get("method"),
         "find_batch_size": find["size"], "find_over_limit": round(find["size"] / limit, 3),
         "find_trained": find["trained"], "divisor_run_batch": div, "divisor_suggested": suggested_div,
         "divisor_over_limit": round(suggested_div / limit, 3) if suggested_div else None,
