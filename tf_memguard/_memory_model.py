@@ -253,7 +253,11 @@ def _match(template, other, fixed_kinds=(), fixed_sizes=()):
         oi = other.allocations()
         o_size = other.size[oi].astype(np.float64)
         o_kind = kind_of(other.flags[oi])
-        o_shaped = (other.flags[oi] & (_BATCH | _ROWS)) != 0
+        # (As for the template's: rows of the batch unless of a weight's size, a weight's
+        # gradient whose first dimension the batch divides; the wide MLP's 8,192 x 64 at
+        # 16 found no partner at 8, was paired by rank and became proportional: 47 named.)
+        o_flags = other.flags[oi]
+        o_shaped = ((o_flags & _BATCH) != 0) | (((o_flags & _ROWS) != 0) & ~np.isin(o_size, list(weight_set)))
         for k in np.unique(kinds):
             # The other step's blocks by size, those the plugin tagged as shaped by the batch
             # apart: a tagged block's partner is tagged too, an untagged one's untagged (a
