@@ -132,10 +132,11 @@ class StepSampler:
             if trace is None:
                 return
             footprint = trace.footprint()
-            self.footprint = max(self.footprint, footprint)
+            if footprint > self.footprint:
+                self.footprint, self._model = footprint, None
             if peak > self.template_peak:
                 self.template, self.template_peak, self.template_footprint = trace, peak, footprint
-            self._model = None
+                self._model = None
         elif which == "other":
             trace = self.recorder.end(True)
             if trace is not None:
