@@ -109,12 +109,3 @@ def array_batches(model):
     e_part, e_per = which(model.ev_fixed_hi + model.ev_hi * b0,
                           model.ev_alloc & ((model.ev_flags & _BATCH) == 0) & ~freed[model.ev_slot])
     return s_part, e_part, s_per, e_per
-
-
-def prepared_total(model):
-    """The bytes of tf.data's batches in `model`'s step at its recorded batch size: those
-    live at its start and those it prepares (prepared), all live at its end."""
-    b = float(model.base_batch)
-    start, made = prepared(model)
-    return float((model.start_fixed[start] + model.start_slope[start] * b).sum() +
-                 (model.ev_fixed_hi[made] + model.ev_hi[made] * b).sum())

@@ -425,7 +425,7 @@ class StepModel:
     # (see _ops); 0: not bounded (a dataset, steps_per_epoch given, another framework).
     samples: int = 0
     batch_bytes_per_sample: float = 0.0
-    prepared_per_sample: float = 0.0  # tf.data's batches in the recorded step, per sample
+    prepared_per_sample: float = 0.0  # unused since _epoch.bounded; kept so older saved reports load
     # The bytes per sample of each of the epoch's arrays (x's and y's leaves): a batch of k
     # samples of one is a block of k times that (_epoch.array_batches); (): unknown.
     array_bytes: tuple = ()
@@ -504,8 +504,6 @@ class StepModel:
                     batch_bytes_per_sample=float(epoch[1]) if epoch else 0.0,
                     array_bytes=tuple(float(v) for v in epoch[2]) if epoch and len(epoch) > 2 else (),
                     added_start=len(s_size) - len(start.start_size))
-        if epoch:
-            model.prepared_per_sample = _epoch.prepared_total(model) / float(template.batch_size)
         peak = template.observed_peak if observed_peak is None else observed_peak
         if peak:
             replayed = model.need(template.batch_size)["peak_account"]
