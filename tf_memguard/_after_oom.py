@@ -84,9 +84,11 @@ def model_after_oom(sampler, model):
         return _recording.unmet_prepared(trace, max(per_sample) * trace.batch_size)
 
     def build(template, other=None):
+        # (The validation arrays' copy too: the short runs have no validation, and the
+        # retry's later epochs hold it.)
         extra = _recording.joined(unmet(template), _recording.stale_batches(sampler.data.x, sampler.data.y,
                                                                             template.batch_size),
-                                  sampler.pipeline_extra())
+                                  sampler.pipeline_extra(), sampler.data.unmet_copies(template, train=False))
         return StepModel.build(plain(template), plain(other) if other is not None else None,
                                extra_start=extra, epoch=sampler.data.epoch)
 

@@ -129,7 +129,8 @@ class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
                                         steps_per_epoch=(self.params or {}).get("steps"),
                                         x=x if arrays else None, y=y if arrays else None,
                                         own_epochs=fit_args.get("steps_per_epoch") is None,
-                                        dataset=x if _fit_args.is_dataset(x) else None)
+                                        dataset=x if _fit_args.is_dataset(x) else None,
+                                        validation=_fit_args.validation_arrays(fit_args))
         self._epoch = 0
         self._warned = False
         self._oom = None

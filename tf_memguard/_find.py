@@ -1,7 +1,7 @@
 """find_batch_size(): the largest batch size that fits, from the memory model of two
 recorded steps of fit(), without a full run."""
 from tf_memguard import _backend, _core, _install
-from tf_memguard._fit_args import is_sliceable
+from tf_memguard._fit_args import fed_nbytes, is_sliceable
 from tf_memguard._memory_model import StepModel, StepModels
 from tf_memguard._recording import (SHORTFALL_FLAGS, Snapshot, StepRecorder, abort_all, epoch_of, fit_steps, joined,
                                     prepared_bytes, stale_batches, unmet_prepared, without_blocks)
@@ -100,7 +100,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     # the batch, and 419 was named where 370 was the most that trained. The steps are
     # taken without it, and the budget is asked with room for it: the real run may copy.
     # (On Keras' torch backend the arrays stay on the host: no copy in the pool.)
-    copies = [-(-int(a.nbytes) // align) * align for a in _arrays((x, y))] \
+    copies = [-(-fed_nbytes(a) // align) * align for a in _arrays((x, y))] \
         if _backend.framework() == "tensorflow" else []
 
     def steps_at(size, steps):

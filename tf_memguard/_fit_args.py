@@ -116,6 +116,36 @@ def training_samples(fit_args):
     return n
 
 
+def fed_nbytes(array):
+    """The bytes of `array` as Keras feeds it to the step: a float array not of Keras'
+    floatx is cast to floatx first (keras/src/trainers/data_adapters/array_slicing.py,
+    convert_to_sliceable: numpy's default float64 becomes float32, half its nbytes)."""
+    import keras
+    import numpy as np
+    dtype = getattr(array, "dtype", None)
+    try:
+        floating = dtype is not None and np.issubdtype(np.dtype(dtype), np.floating)
+    except TypeError:
+        floating = False
+    if floating and keras.backend.standardize_dtype(dtype) != keras.backend.floatx():
+        return int(np.prod(array.shape, dtype=np.int64)) * np.dtype(keras.backend.floatx()).itemsize
+    return int(array.nbytes)
+
+
+def validation_arrays(fit_args):
+    """fit()'s validation data when it is arrays (validation_data given as arrays, or
+    split off by validation_split: by on_train_begin, fit()'s frame holds the split as
+    validation_data), as a list of them, when fit() runs more than one epoch (the steps
+    after the first evaluation meet them), else None."""
+    import keras
+    data = fit_args.get("validation_data")
+    epochs = fit_args.get("epochs") or 1
+    if data is None or not isinstance(epochs, int) or epochs - (fit_args.get("initial_epoch") or 0) < 2:
+        return None
+    leaves = [a for a in keras.tree.flatten(data) if a is not None]
+    return leaves if leaves and all(is_arrays(a) for a in leaves) else None
+
+
 def positive_int(name, value, none_ok=False):
     """`value` as an int, for an argument that must be a positive integer (numpy's too;
     never a bool)."""

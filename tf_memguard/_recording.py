@@ -15,6 +15,7 @@ import gc
 import traceback
 
 from tf_memguard import _backend, _core
+from tf_memguard._fit_args import fed_nbytes
 from tf_memguard._memory_model import _ALLOC, _FREE, _OVERSHOOT, StepTrace
 
 # Events one step may leave in the trace: a training step of the models seen makes
@@ -338,5 +339,5 @@ def epoch_of(x, y, samples):
     arrays = [a for a in keras.tree.flatten((x, y)) if a is not None and hasattr(a, "nbytes") and len(a)]
     if not samples or not arrays:
         return None
-    per = tuple(float(a.nbytes / len(a)) for a in arrays)
+    per = tuple(float(fed_nbytes(a) / len(a)) for a in arrays)
     return int(samples), float(sum(per)), per

@@ -7,7 +7,8 @@ its whole pipeline as numpy arrays (_dataset_sample), stands in for them.
 import warnings
 import weakref
 
-from tf_memguard import _dataset_sample, _recording
+from tf_memguard import _core, _dataset_sample, _recording
+from tf_memguard._fit_args import fed_nbytes
 
 # Batches of data a short fit() of its own is given: tf.data's autotuned map and prefetch
 # held three prepared batches at every step's start in the runs measured (the README's
@@ -29,7 +30,8 @@ class StepData:
         from_dataset: True once x and y are a sample of a dataset's batches.
     """
 
-    def __init__(self, pool, recorder, x=None, y=None, n_samples=None, dataset=None, tf=True, own_epochs=True):
+    def __init__(self, pool, recorder, x=None, y=None, n_samples=None, dataset=None, tf=True, own_epochs=True,
+                 validation=None):
         self.pool, self.recorder = pool, recorder
         self.x, self.y, self.n = x, y, n_samples
         self.tf = tf
@@ -42,6 +44,15 @@ class StepData:
         # What bounds the batches tf.data prepares ahead: the epoch over the arrays, when
         # fit() makes one of its own per epoch (no steps_per_epoch given).
         self.epoch = _recording.epoch_of(x, y, n_samples) if tf and own_epochs and x is not None else None
+        # Keras' copy of the validation arrays (`validation`: their leaves, when fit() has
+        # them and runs more than one epoch), on TensorFlow: its evaluation at the first
+        # epoch's end converts them, and the iterator it keeps holds the copy through
+        # every later epoch's steps, which the first epoch's steps and the short runs
+        # (no validation) never meet. keras.io's MNIST convnet with validation_split=0.1
+        # under 96 MiB: its second epoch's steps began 3.7 MiB higher than its first's;
+        # 140 completed short runs and four steps after an OOM, and its retry ran out in
+        # the second epoch (132 is the most that trains).
+        self.validation_copies = self._sizes(validation) if tf and validation is not None else []
 
     @property
     def usable(self):
@@ -94,19 +105,43 @@ class StepData:
 
     def copy_sizes(self):
         """The blocks of Keras' copy of the arrays, on TensorFlow (one per array)."""
+        return self._sizes((self.x, self.y)) if self.tf and self.x is not None else []
+
+    def _sizes(self, arrays):
         import keras
-        if not self.tf or self.x is None:
-            return []
         align = int(self.pool.layout().get("alignment", 64) or 64)
-        return [-(-int(a.nbytes) // align) * align for a in keras.tree.flatten((self.x, self.y))
+        return [-(-fed_nbytes(a) // align) * align for a in keras.tree.flatten(arrays)
                 if a is not None and hasattr(a, "nbytes") and a.nbytes > 0]
+
+    def unmet_copies(self, trace, validation=True, train=True):
+        """Keras' copies of the arrays that a retry's steps can hold and `trace`'s step did
+        not begin with, as more blocks live at its start ((sizes, flags) for
+        StepModel.build's extra_start), or None: the validation arrays' copy (see
+        __init__) with `validation`, and the training arrays' copy with `train`. Whether Keras copies an
+        array into the pool or takes numpy's memory as it is depends on where numpy put it
+        (benchmarks/NOTES.md, "Keras' copy of the arrays comes and goes"), which another
+        process draws anew."""
+        from tf_memguard._memory_model import kind_of
+        if trace is None:
+            return None
+        wanted = (self.copy_sizes() if train else []) + (self.validation_copies if validation else [])
+        kind = _core.KINDS.index("input")
+        have = [int(v) for v in trace.start_size[kind_of(trace.start_flags) == kind]]
+        missing = []
+        for size in wanted:
+            if size in have:
+                have.remove(size)
+            else:
+                missing.append(size)
+        flags = kind << _core.ALLOC_KIND_SHIFT
+        return (missing, [flags] * len(missing)) if missing else None
 
     def _batch_sizes(self, batch_size, align):
         import keras
         out = []
         for a in keras.tree.flatten((self.x, self.y)):
             if a is not None and len(a):
-                out.append(-(-(int(a.nbytes) // len(a)) * batch_size // align) * align)
+                out.append(-(-(fed_nbytes(a) // len(a)) * batch_size // align) * align)
         return out
 
     def sample_dataset(self, batch_size):

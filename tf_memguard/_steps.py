@@ -43,7 +43,7 @@ class StepSampler:
     """Records the steps of one fit() run and makes the StepModel of its training step."""
 
     def __init__(self, pool, batch_size, n_samples=None, steps_per_epoch=None, x=None, y=None, own_epochs=True,
-                 dataset=None):
+                 dataset=None, validation=None):
         self.pool = pool
         self.b0 = int(batch_size)
         self.steps = steps_per_epoch
@@ -52,7 +52,7 @@ class StepSampler:
         # The samples the short runs take (fit()'s arrays; after an OOM on a dataset, a
         # sample of its batches).
         self.data = StepData(pool, self.recorder, x, y, n_samples, dataset=dataset, tf=self.tf,
-                             own_epochs=own_epochs)
+                             own_epochs=own_epochs, validation=validation)
         # Keras' pipeline has batches of a known size only when b0 divides the samples: then
         # the recorded steps run the trace with a known batch dimension ("static"), and a
         # lone step (whose new size makes TensorFlow trace the step again, relaxed to an
@@ -198,11 +198,16 @@ class StepSampler:
         if self._model is None and (self.template is not None or self.first is not None):
             order = self.order_bytes()
             steady = StepModel.build(self.template, self.other, observed_peak=observed_peak or None,
-                                     extra_start=self._unmet_prepared(self.template), epoch=self.data.epoch,
+                                     extra_start=_recording.joined(self._unmet_prepared(self.template),
+                                                                   self.data.unmet_copies(self.template)),
+                                     epoch=self.data.epoch,
                                      order_bytes=order, layout_bytes=self.layout_bytes()) \
                 if self.template is not None else None
             # (Not the first step's: a run's first step meets the pipeline as it starts.)
-            first = StepModel.build(self.first, self.other, first=True, epoch=self.data.epoch, order_bytes=order) \
+            # (Its copies: the training arrays', never the validation arrays', which a run's
+            # first step is always without.)
+            first = StepModel.build(self.first, self.other, first=True, epoch=self.data.epoch, order_bytes=order,
+                                    extra_start=self.data.unmet_copies(self.first, validation=False)) \
                 if self.first is not None else None
             domain = "static" if self.static else "all"
             models, domains = [steady, first], [domain, domain]
@@ -212,7 +217,8 @@ class StepSampler:
                 # the samples.
                 # (The run's layout too: the retry runs epochs on the pool.)
                 models.append(StepModel.build(self.lone, start, epoch=self.data.epoch, order_bytes=order,
-                                              layout_bytes=self.layout_bytes()))
+                                              layout_bytes=self.layout_bytes(),
+                                              extra_start=self.data.unmet_copies(self.lone)))
                 domains.append("dynamic")
             self._model = StepModels(models, domains, samples=self.data.n if self.tf else None)
         return self._model

@@ -198,3 +198,50 @@ def test_at_a_batch_size_that_divides_the_samples_the_suggestion_trains(batch):
     assert advised["fits"] and advised["suggested"], advised
     size = advised["suggested"]
     assert fit("autoencoder", size)["fits"], f"the suggested {size} ran out of memory"
+
+
+# keras.io's "Simple MNIST convnet" (its model, compile and fit as the example has them),
+# on random data of MNIST's shape, with a larger validation split than the example's 0.1:
+# Keras' copy of the validation arrays (11 MiB here) is made at the first epoch's end and
+# held through the second epoch's steps, which the short runs after an OOM do not have.
+MNIST = """
+import gc
+import numpy as np
+import tf_memguard
+tf_memguard.install(max_bytes="96MiB")
+import keras
+from keras import layers
+import tensorflow as tf
+rng = np.random.default_rng(0)
+x = rng.random((12000, 28, 28, 1), dtype=np.float32)
+y = keras.utils.to_categorical(rng.integers(0, 10, 12000), 10)
+model = keras.Sequential([keras.Input(shape=(28, 28, 1)), layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
+                          layers.MaxPooling2D(pool_size=(2, 2)), layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
+                          layers.MaxPooling2D(pool_size=(2, 2)), layers.Flatten(), layers.Dropout(0.5),
+                          layers.Dense(10, activation="softmax")])
+model.compile(loss="categorical_crossentropy", optimizer="adam", metrics=["accuracy"])
+
+def fit(b, cbs):
+    try:
+        model.fit(x, y, batch_size=b, epochs=2, validation_split=0.3, verbose=0, callbacks=cbs)
+        return True
+    except tf.errors.ResourceExhaustedError:
+        return False
+"""
+
+
+def test_after_an_oom_the_suggestion_leaves_room_for_the_validation_arrays_copy():
+    r = run(MNIST + """
+failed = not fit({batch}, [tf_memguard.MemGuardCallback(verbose=0)])
+gc.collect()
+size = tf_memguard.report().suggested_batch_size
+emit(failed=failed, size=size, retry=fit(size, []) if size else None)
+""".format(batch=240), env=HARD, timeout=900)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["failed"] and d["size"], d
+    assert d["retry"], f"the retry at {d['size']} ran out of memory in its second epoch"
+    bigger = above(d["size"], 8400)
+    r = run(MNIST + f"emit(fits=fit({bigger}, []))", env=HARD, timeout=900)
+    assert r.returncode == 0, r
+    assert not r.data["fits"], f"{bigger} trains: {d['size']} is under 85%"

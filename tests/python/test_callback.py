@@ -596,3 +596,24 @@ def test_the_advice_never_names_less_than_the_batch_size_that_ran():
     assert r.returncode == 0, r
     assert not r.data["model_says_fits"], r.data   # the margins say 64 does not fit...
     assert r.data["suggested"] >= 64, r.data       # ...and 64 ran
+
+
+def test_the_arrays_keras_copies_are_sized_as_keras_feeds_them():
+    r = run("""
+        import numpy as np, tensorflow as tf
+        from tf_memguard._fit_args import fed_nbytes, validation_arrays
+        x64, x32, labels = np.zeros((10, 3)), np.zeros((10, 3), np.float32), np.zeros(10, np.int64)
+        val = (np.zeros((4, 3)), np.zeros(4))
+        ds = tf.data.Dataset.from_tensor_slices(x32).batch(2)
+        emit(sizes=[fed_nbytes(a) for a in (x64, x32, labels, np.zeros((10, 3), np.float16))],
+             two=len(validation_arrays({"validation_data": val, "epochs": 2}) or []),
+             one=validation_arrays({"validation_data": val, "epochs": 1}),
+             resumed=validation_arrays({"validation_data": val, "epochs": 3, "initial_epoch": 2}),
+             dataset=validation_arrays({"validation_data": ds, "epochs": 2}),
+             none=validation_arrays({"epochs": 2}))
+    """)
+    assert r.returncode == 0, r
+    # float64 and float16 arrays are cast to floatx (float32) before the copy; integers
+    # are not. The validation arrays' copy matters only to epochs after the first.
+    assert r.data == {"sizes": [120, 120, 80, 120], "two": 2, "one": None, "resumed": None, "dataset": None,
+                      "none": None}, r.data
