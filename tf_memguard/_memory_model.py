@@ -91,6 +91,9 @@ class StepTrace:
     # True where every step allocates in the same order (PyTorch's eager steps on one
     # stream); TensorFlow's inter-op threads order a step's kernels differently each time.
     ordered: bool = False
+    # The peaks (as observed_peak) of every step with a full batch of the fit() this step
+    # was recorded in, oldest first (_recording.fit_steps), or () when not measured.
+    step_peaks: tuple = ()
 
     @classmethod
     def capture_start(cls, pool):

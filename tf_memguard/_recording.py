@@ -130,46 +130,57 @@ def in_own_steps():
     return bool(_nested)
 
 
-def _record_step(recorder, batch_size, at=1):
+def _record_step(recorder, batch_size, at=1, epoch_at=0, full=None):
     """A Keras callback that profiles the batch size from the epoch's start and records the
     step `at` (0-based: by default the second, since the first may trace the step's
-    function for the new batch dimension). Made on first use: importing tf_memguard imports
-    no Keras."""
+    function for the new batch dimension) of the epoch `epoch_at`, and the peak of every
+    step of the first `full` of each epoch (those with a full batch; all when None). Made
+    on first use: importing tf_memguard imports no Keras."""
     import keras
+
+    def peak():
+        s = recorder.pool.stats()
+        return max(0, s["window_peak_bytes_in_use"] - s["passthrough_bytes_in_use"])
 
     class RecordStep(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
             self.trace = None
+            self.epoch = 0
+            self.peaks = []
 
         def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
             _core.set_profile_batch(batch_size)
 
         def on_train_batch_begin(self, batch, logs=None):
-            if batch == at:
-                recorder.pool.reset_peak()
+            recorder.pool.reset_peak()
+            if batch == at and self.epoch == epoch_at:
                 recorder.begin(batch_size)
 
         def on_train_batch_end(self, batch, logs=None):
-            if batch == at:
+            if full is None or batch < full:
+                self.peaks.append(peak())
+            if batch == at and self.epoch == epoch_at and recorder.active:
                 self.trace = recorder.end(True)
                 if self.trace is not None:
                     # The step's own peak as it ran (its threads' order, the pool's layout):
                     # what the model's replay of it falls short of is kept free (the spread).
-                    s = recorder.pool.stats()
-                    self.trace.observed_peak = max(0, s["window_peak_bytes_in_use"] - s["passthrough_bytes_in_use"])
+                    self.trace.observed_peak = peak()
 
         def failed(self):
-            if recorder.active:
-                self.trace = recorder.end(False)
+            # Refused in the recorded step, or in a step after it: the run did not complete.
+            self.trace = recorder.end(False) if recorder.active else None
 
     return RecordStep()
 
 
-def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2):
+def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1):
     """`steps` steps of fit() at `batch_size` (1 or more), the last recorded (fit()'s own
     pipeline, its copy of the data, the trace of the step it runs): a StepTrace,
     complete=False when the recorded step was refused; None when an earlier one was.
+    With `epochs` > 1, that many whole epochs (`steps` is not used), the first step of
+    the last one recorded, and None when any step was refused.
     `samples`: fit() on that many of the first samples (default: all; one more than two
     batches makes the last batch partial, and the trace the one for an unknown batch
     dimension). One step is the first of its fit() at this size: where the function has
@@ -179,18 +190,22 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2):
     reset."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"fit_steps(steps={steps!r}): must be an int of at least 1")
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"fit_steps(epochs={epochs!r}): must be an int of at least 1")
     import keras
     if samples is not None:
         x = keras.tree.map_structure(lambda a: a[:samples], x)
         y = keras.tree.map_structure(lambda a: a[:samples], y) if y is not None else None
     snapshot = Snapshot(model)
-    cb = _record_step(recorder, batch_size, at=steps - 1)
+    full = min(len(a) for a in keras.tree.flatten(x)) // batch_size
+    cb = _record_step(recorder, batch_size, at=steps - 1, full=full) if epochs == 1 else \
+        _record_step(recorder, batch_size, at=0, epoch_at=epochs - 1, full=full)
     history = getattr(model, "history", None)
     _nested.append(True)
     gc.collect()
     try:
-        model.fit(x, y, batch_size=batch_size, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False,
-                  callbacks=[cb])
+        model.fit(x, y, batch_size=batch_size, epochs=epochs, steps_per_epoch=steps if epochs == 1 else None,
+                  verbose=0, shuffle=False, callbacks=[cb])
     except _backend.oom_errors() as e:
         cb.failed()
         clear_chain(e)
@@ -205,6 +220,8 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2):
         if history is not None:
             model.history = history
         gc.collect()
+    if cb.trace is not None and cb.trace.complete:
+        cb.trace.step_peaks = tuple(cb.peaks)
     return cb.trace
 
 

@@ -59,7 +59,7 @@ class StepData:
         """True when there are arrays to run steps on, or a dataset to sample them from."""
         return self.x is not None or self._dataset is not None
 
-    def short_fit(self, model, size, all_samples=False, steps=2):
+    def short_fit(self, model, size, all_samples=False, steps=2, epochs=1):
         """A short fit() of its own at `size` (its last step recorded). By default on
         enough of the first samples for its pipeline to fill (NESTED_BATCHES batches and
         one sample more, so that the last batch is partial and the step runs the trace for
@@ -67,8 +67,10 @@ class StepData:
         the start (the run's full copy stands for the retry's), and so are the batches
         the run had prepared at its own size (_recording.without_outer_batches). With
         `all_samples`, on all of them, as a retry would run: its copy is the retry's.
-        `steps`: the steps it runs, the last recorded. None when there are no arrays or
-        it could not be recorded (a step was refused before it)."""
+        `steps`: the steps it runs, the last recorded; `epochs` > 1 (with `all_samples`):
+        that many whole epochs instead, the first step of the last recorded. None when
+        there are no arrays or it could not be recorded (a step was refused before it, or,
+        over whole epochs, after it)."""
         if self.x is None:
             return None
         samples = None if all_samples else min(self.n or NESTED_BATCHES * size + 1, NESTED_BATCHES * size + 1)
@@ -89,7 +91,8 @@ class StepData:
             samples = self.n - 1
         outer = self.pool.live_blocks() if not all_samples else None
         try:
-            trace = _recording.fit_steps(model, self.x, self.y, size, self.recorder, samples=samples, steps=steps)
+            trace = _recording.fit_steps(model, self.x, self.y, size, self.recorder, samples=samples, steps=steps,
+                                         epochs=epochs if all_samples else 1)
         except Exception as e:  # noqa: BLE001 - the model of the step must never stop the training
             warnings.warn(f"tf_memguard: steps at batch size {size} for the memory model failed "
                           f"({type(e).__name__}: {e}); the advice uses what was recorded", stacklevel=4)

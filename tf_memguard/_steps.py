@@ -75,7 +75,7 @@ class StepSampler:
         self.too_large = 1 << 62  # the smallest batch size known not to fit
         self.cap = 1 << 62        # the largest the advice may name (model_after_oom)
         self.after_oom = []       # the sizes of the short fit() runs after an OOM that completed
-        self.confirmed = None     # (size, steps) of the run after an OOM that confirmed the answer
+        self.confirmed = None     # (size, what ran) of the run after an OOM that confirmed the answer
         self.prepared = 0         # the most batch-tagged bytes live at a step's start at b0
         # The peaks of the full steps at b0, by (bytes in use at the step's start,
         # batch-tagged bytes at its end): steps alike but for their kernels' order.
@@ -181,14 +181,14 @@ class StepSampler:
         if self.tf:
             _core.set_profile_batch(size)
 
-    def short_fit(self, model, size, all_samples=False, steps=2):
+    def short_fit(self, model, size, all_samples=False, steps=2, epochs=1):
         """StepData.short_fit, at most MAX_NESTED_RUNS times a run for the second size
         (after an OOM, with `all_samples`, _after_oom's own loops bound them)."""
         if not all_samples:
             if self.data.x is None or self._nested_runs >= MAX_NESTED_RUNS:
                 return None
             self._nested_runs += 1
-        return self.data.short_fit(model, size, all_samples=all_samples, steps=steps)
+        return self.data.short_fit(model, size, all_samples=all_samples, steps=steps, epochs=epochs)
 
     # -- the model ---------------------------------------------------------------------
 
@@ -264,7 +264,7 @@ class StepSampler:
                 what += f", on the dataset's first {self.data.n} samples as arrays"
             what += "; the largest that completed"
             if self.confirmed:
-                what += f" (and a run of {self.confirmed[1]} steps at {self.confirmed[0]})"
+                what += f" (and {self.confirmed[1]} at {self.confirmed[0]})"
             return what + (f", {self.too_large} having been refused" if self.too_large < self.b0 else "")
         sizes = [t.batch_size for t in (self.template or self.first, self.other) if t is not None]
         what = "the memory model of steps at " + " and ".join(str(b) for b in sizes)
