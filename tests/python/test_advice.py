@@ -213,14 +213,7 @@ import keras
 from keras import layers
 import tensorflow as tf
 rng = np.random.default_rng(0)
-# TensorFlow takes a numpy array 64-byte aligned as it is, and copies one that is not
-# (benchmarks/NOTES.md, "Keras' copy of the arrays comes and goes"): x starts 16 bytes past
-# a 64-byte boundary, so that every process copies both its training and validation slices.
-raw = np.empty(12000 * 28 * 28 + 32, np.float32)
-skip = ((16 - raw.ctypes.data) % 64) // 4
-x = raw[skip:skip + 12000 * 28 * 28].reshape(12000, 28, 28, 1)
-x[...] = rng.random((12000, 28, 28, 1), dtype=np.float32)
-assert x.ctypes.data % 64 == 16
+x = rng.random((12000, 28, 28, 1), dtype=np.float32)
 y = keras.utils.to_categorical(rng.integers(0, 10, 12000), 10)
 model = keras.Sequential([keras.Input(shape=(28, 28, 1)), layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
                           layers.MaxPooling2D(pool_size=(2, 2)), layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
@@ -248,7 +241,14 @@ emit(failed=failed, size=size, retry=fit(size, []) if size else None)
     d = r.data
     assert d["failed"] and d["size"], d
     assert d["retry"], f"the retry at {d['size']} ran out of memory in its second epoch"
+    # Over 85%: a size above the answer / 0.85 does not train in 2 of 2 fresh processes (the
+    # limit's definition): whether the validation arrays' copy is in the pool through the
+    # second epoch differs from process to process (benchmarks/NOTES.md, "Keras' copy of
+    # the arrays comes and goes"), and without it larger sizes train.
     bigger = above(d["size"], 8400)
-    r = run(MNIST + f"emit(fits=fit({bigger}, []))", env=HARD, timeout=900)
-    assert r.returncode == 0, r
-    assert not r.data["fits"], f"{bigger} trains: {d['size']} is under 85%"
+    fits = []
+    for _ in range(2):
+        r = run(MNIST + f"emit(fits=fit({bigger}, []))", env=HARD, timeout=900)
+        assert r.returncode == 0, r
+        fits.append(r.data["fits"])
+    assert not all(fits), f"{bigger} trains in 2 of 2 processes: {d['size']} is under 85%"
