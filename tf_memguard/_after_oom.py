@@ -10,7 +10,7 @@ picks where to look, the runs decide. On a tf.data dataset the short runs are on
 batches as arrays, with room for what its pipeline holds beside the steps (_dataset_sample).
 """
 from tf_memguard import _recording
-from tf_memguard._memory_model import StepModel, StepModels
+from tf_memguard._memory_model import StepModel, StepModels, order_gap
 
 # After an OOM at b0 the runs go down from b0 // 2 by this factor until one completes:
 # each refused one costs a step up to its refusal, and the largest that completes is then
@@ -51,10 +51,8 @@ def with_unseen_order(trace, pool):
     if trace is None or not trace.complete or len(trace.step_peaks) < 2:
         return trace
     same = max(int(pool.layout().get("page_bytes", 0) or 0), 1)
-    p = sorted(int(v) for v in trace.step_peaks)
-    below = [v for v in p if v < p[-1] - same]
-    gap = p[-1] - below[-1] if below and len(p) - len(below) == 1 else 0
-    return dataclasses.replace(trace, observed_peak=max(int(trace.observed_peak), p[-1] + gap))
+    top = max(int(v) for v in trace.step_peaks) + order_gap(trace.step_peaks, same, least=2)
+    return dataclasses.replace(trace, observed_peak=max(int(trace.observed_peak), top))
 
 
 def model_after_oom(sampler, model):

@@ -693,12 +693,12 @@ def alike_groups(alike, same):
     return [g[2] for g in groups]
 
 
-def order_gap(peaks, same):
-    """The order gap of alike steps' `peaks` (StepSampler.order_bytes): at least three,
-    and the highest met once (peaks within `same` bytes count as one), how far it lies
-    above the next one down; else 0."""
+def order_gap(peaks, same, least=3):
+    """The order gap of alike steps' `peaks` (StepSampler.order_bytes): at least `least`
+    of them, and the highest met once (peaks within `same` bytes count as one), how far it
+    lies above the next one down; else 0."""
     p = sorted(int(v) for v in peaks)
-    if len(p) < 3:
+    if len(p) < least:
         return 0
     below = [v for v in p if v < p[-1] - same]
     return p[-1] - below[-1] if below and len(p) - len(below) == 1 else 0
