@@ -418,6 +418,9 @@ class StepModel:
     # How far above the highest step at base_batch an order of the kernels not met could
     # peak (StepSampler.order_bytes; scaled in spread()); 0: none measured.
     order_bytes: int = 0
+    # The batch size order_bytes was measured at (the run's own steps'), which the lone
+    # short fit()'s model, recorded at another size, does not share; 0: base_batch.
+    order_batch: int = 0
     complete: bool = True
     # The step runs on a pool no long run has been through (a run's first step, which traces
     # the function and builds the optimizer's slots): LAYOUT_SLACK, kept for the layout a
@@ -438,7 +441,7 @@ class StepModel:
 
     @classmethod
     def build(cls, template, other=None, start=None, observed_peak=None, first=False, extra_start=None,
-              epoch=None, order_bytes=0, fresh=None, layout_bytes=0):
+              epoch=None, order_bytes=0, fresh=None, layout_bytes=0, order_batch=0):
         """The model of `template`'s step (complete), its untagged blocks' slopes from
         `other`, starting from `start`'s live blocks (default: template's own) and
         `extra_start` ((sizes, flags) of more blocks live then, recorded at start's batch
@@ -449,7 +452,8 @@ class StepModel:
         would be bounded (the batch-shaped ones among them are made by kernels, tagged).
         `epoch`: (samples, bytes per sample of a batch) of the epochs fit() runs over arrays,
         or None (see _ops). `order_bytes`: how far above the template an order of the
-        kernels not met could peak at the recorded size (see spread()). `fresh`: the step
+        kernels not met could peak at `order_batch` (default: the recorded size; see
+        spread()). `fresh`: the step
         runs on a pool no long run has been through, so LAYOUT_SLACK is not kept (default:
         `first`; after an out-of-memory error the retry's first step meets the failed
         run's layout, and the slack is kept). `layout_bytes`: how many more bytes of
@@ -502,6 +506,7 @@ class StepModel:
                     ev_lo=np.array(ev_lo), ev_fixed_hi=np.array(ev_fhi), ev_hi=np.array(ev_hi), nslots=nslots,
                     base_batch=int(template.batch_size), layout=dict(template.layout),
                     complete=bool(template.complete), order_bytes=int(max(0, order_bytes)),
+                    order_batch=int(order_batch or 0),
                     fresh=bool(first if fresh is None else fresh),
                     samples=int(epoch[0]) if epoch else 0,
                     batch_bytes_per_sample=float(epoch[1]) if epoch else 0.0,
@@ -556,8 +561,11 @@ class StepModel:
         and three runs at 150 whose highest steps peaked at 223.4, 228.6 and 223.3 named
         296, 294 and 305 (301 trains). The blocks an order moves are the step's, each at
         most proportional to the batch: above the recorded size the gap scales with it,
-        below it is kept whole (a fixed block's order moves it as much)."""
-        scale = max(1.0, float(batch_size) / max(self.base_batch, 1))
+        below it is kept whole (a fixed block's order moves it as much). The gap scales
+        from the size it was measured at (`order_batch`): the zoo's autoencoder's gap of
+        16 MiB at 512, scaled from the 256 of the short fit()'s model, kept 56 MiB free at
+        900 where 28 is the gap's share."""
+        scale = max(1.0, float(batch_size) / max(self.order_batch or self.base_batch, 1))
         return int(self.spread_bytes + self.order_bytes * scale)
 
     def optimistic(self):

@@ -128,6 +128,7 @@ class StepSampler:
             s = self.pool.stats()
             peak = s["window_peak_bytes_in_use"]
             self._alike.setdefault((self._began, int(s["batch_bytes_in_use"])), []).append(int(peak))
+            self._model = None   # a step more may change the order gap (order_bytes)
             trace = self.recorder.end(True)
             if trace is None:
                 return
@@ -217,6 +218,7 @@ class StepSampler:
                 # the samples.
                 # (The run's layout too: the retry runs epochs on the pool.)
                 models.append(StepModel.build(self.lone, start, epoch=self.data.epoch, order_bytes=order,
+                                              order_batch=self.b0,
                                               layout_bytes=self.layout_bytes(),
                                               extra_start=self.data.unmet_copies(self.lone)))
                 domains.append("dynamic")
@@ -236,7 +238,10 @@ class StepSampler:
         the zoo's ResNet at 150, steps alike peaked at 216.7, 219.4 and, once, 223.3 MiB,
         and the model of the 223.3 step named 305 where 301 trains (another process's
         steps peaked at 228.6); on its wide MLP, the highest peak of alike steps (47.4 of
-        50 MiB) came in a quarter of them, and the answer needs no more room."""
+        50 MiB) came in a quarter of them, and the answer needs no more room.
+        Groups of two do not speak (benchmarks/NOTES.md, "Groups of two steps"): on the
+        zoo's mixed-precision CNN at 408 every pair held one step of each of two orders
+        31.6 MiB apart, and with their gap kept it named 589 where 817 trains."""
         same = max(int(self.pool.layout().get("page_bytes", 0) or 0), 1)
         return max((order_gap(peaks, same) for peaks in alike_groups(self._alike, same)), default=0)
 

@@ -374,9 +374,18 @@ def test_an_order_met_once_at_the_top_is_kept_free_above_it_and_scales_with_the_
     # Peaks within one backing granule (64 KiB here) are one order's.
     sampler._alike = {(1, 2): [mb(216.7), mb(223.3), mb(223.3) - 1000, mb(219.4)]}
     assert sampler.order_bytes() == 0
+    # Groups of two do not speak: the mixed-precision CNN at 408, two orders 31.6 MiB
+    # apart, one of each in every pair.
+    sampler._alike = {(mb(40), 10): [mb(149.2), mb(117.6)], (mb(35), 5): [mb(112.8), mb(144.4)]}
+    assert sampler.order_bytes() == 0
 
     m = mm.StepModel.build(record(pool, 8), record(pool, 4), order_bytes=2 * MiB)
     assert m.spread(8) == 2 * MiB and m.spread(4) == 2 * MiB and m.spread(16) == 4 * MiB
+    # A model recorded at another size (the short fit()'s lone step at 4) scales the gap
+    # from the size it was measured at (8), not from its own.
+    lone = mm.StepModel.build(record(pool, 4), record(pool, 8), order_bytes=2 * MiB, order_batch=8)
+    assert lone.base_batch == 4 and lone.spread(8) == 2 * MiB and lone.spread(16) == 4 * MiB
+    assert mm.StepModel.from_dict(lone.to_dict()).spread(16) == 4 * MiB
     plain = mm.StepModel.build(record(pool, 8), record(pool, 4))
     budget = 64 * MiB
     assert m.largest_fitting(budget) < plain.largest_fitting(budget)
@@ -458,6 +467,25 @@ def test_on_kerass_torch_backend_a_model_keeps_room_for_two_earlier_batches(monk
     assert _recording.joined(None, big, None) == big and _recording.joined(None) is None
     monkeypatch.setattr(_backend, "framework", lambda: "tensorflow")
     assert _recording.stale_batches(x, y, 10) is None
+
+
+def test_a_step_recorded_after_the_model_was_read_updates_its_order_gap():
+    # The callback reads the model at an epoch's end (the near-budget warning); steps
+    # recorded after it must still count: a third alike step, lower than the template
+    # met once, makes an order gap the model built before it did not have.
+    from tf_memguard._steps import StepSampler
+    pool = make_pool()
+    sampler = StepSampler(pool, 64)
+    sampler.epoch_begin(0)
+    for i, mib in enumerate([1, 3, 2, 1]):
+        pool.reset_peak()   # the monitor's window, one a step
+        sampler.step_begin(0, i)
+        pool.free(pool.allocate(mib * MiB, kind="kernel"))
+        sampler.step_end(0, i)
+        if i == 2:
+            assert sampler.model().models[0].order_bytes == 0   # 3 and 2: fewer than three
+    assert sampler.order_bytes() == MiB
+    assert sampler.model().models[0].order_bytes == MiB
 
 
 def test_steps_whose_start_differs_by_less_than_a_granule_are_alike():
