@@ -196,15 +196,37 @@ def mixed_precision(n=2048):
     return x, y, make
 
 
+def text_cnn(n=6000):
+    """keras.io's text classification from scratch (examples/nlp/text_classification_from_scratch):
+    an embedding of 20,000 tokens, dropout, two strided 1-D convolutions, on reviews of 500
+    tokens. Added on 2026-12-04 after the callback's advice on it, tried as a model from
+    outside the repository, ran out (benchmarks/NOTES.md)."""
+    import keras
+    L = keras.layers
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20000, (n, 500)).astype("int64")
+    y = rng.integers(0, 2, n).astype("float32")
+
+    def make():
+        inputs = keras.Input(shape=(None,), dtype="int64")
+        h = L.Dropout(0.5)(L.Embedding(20000, 128)(inputs))
+        h = L.Conv1D(128, 7, padding="valid", activation="relu", strides=3)(h)
+        h = L.Conv1D(128, 7, padding="valid", activation="relu", strides=3)(h)
+        h = L.Dropout(0.5)(L.Dense(128, activation="relu")(L.GlobalMaxPooling1D()(h)))
+        return _compile(keras.Model(inputs, L.Dense(1, activation="sigmoid")(h)), "binary_crossentropy")
+    return x, y, make
+
+
 ZOO = {"resnet": resnet, "separable": separable, "bilstm": bilstm, "gru": gru, "transformer": transformer,
        "wide_dense": wide_dense, "embedding": embedding, "autoencoder": autoencoder, "multi_io": multi_io,
-       "mobilenet": mobilenet, "mixed_precision": mixed_precision}
+       "mobilenet": mobilenet, "mixed_precision": mixed_precision, "text_cnn": text_cnn}
 
 # MiB: budgets under which each model's largest batch size that trains lies in 100-2,000
 # (chosen from each model's need at 300 samples, by its memory model after two epochs at 64;
 # the limits measured: benchmarks/results/advice_zoo.json).
 BUDGETS = {"resnet": 420, "separable": 330, "bilstm": 48, "gru": 72, "transformer": 220, "wide_dense": 50,
-           "embedding": 76, "autoencoder": 240, "multi_io": 128, "mobilenet": 780, "mixed_precision": 250}
+           "embedding": 76, "autoencoder": 240, "multi_io": 128, "mobilenet": 780, "mixed_precision": 250,
+           "text_cnn": 256}
 
 
 def build(name):

@@ -261,3 +261,57 @@ emit(failed=failed, size=size, retry=fit(size, []) if size else None)
         assert r.returncode == 0, r
         fits.append(r.data["fits"])
     assert not all(fits), f"{bigger} trains in 2 of 2 processes: {d['size']} is under 85%"
+
+
+# keras.io's "Text classification from scratch" (its model, compile and fit, with a
+# validation split), on 6,000 random reviews of 500 tokens, under 256 MiB (264 the most
+# that trains). After two epochs at 132 the advice named 277, which ran out in 2 of 4 fresh
+# processes: every step at 132 ran its kernels in one order, and steps at 277 meet,
+# every few steps, one that needs 11.6 MiB more (the first dropout's 68 MiB mask made at
+# another moment; benchmarks/NOTES.md, "keras.io's text classification CNN"). A known
+# failure, not strict: it shows in every report, and issue 14 stays open.
+TEXT_CNN = """
+import numpy as np
+import tf_memguard
+tf_memguard.install(max_bytes="256MiB")
+import keras
+from keras import layers
+import tensorflow as tf
+rng = np.random.default_rng(0)
+x = rng.integers(0, 20000, (6000, 500)).astype("int64")
+y = rng.integers(0, 2, 6000).astype("float32")
+inputs = keras.Input(shape=(None,), dtype="int64")
+h = layers.Embedding(20000, 128)(inputs)
+h = layers.Dropout(0.5)(h)
+h = layers.Conv1D(128, 7, padding="valid", activation="relu", strides=3)(h)
+h = layers.Conv1D(128, 7, padding="valid", activation="relu", strides=3)(h)
+h = layers.GlobalMaxPooling1D()(h)
+h = layers.Dense(128, activation="relu")(h)
+h = layers.Dropout(0.5)(h)
+model = keras.Model(inputs, layers.Dense(1, activation="sigmoid", name="predictions")(h))
+model.compile(loss="binary_crossentropy", optimizer="adam", metrics=["accuracy"])
+
+def fit(b, cbs):
+    try:
+        model.fit(x, y, batch_size=b, epochs=2, validation_split=0.2, verbose=0, callbacks=cbs)
+        return True
+    except tf.errors.ResourceExhaustedError:
+        return False
+"""
+UNSEEN_ORDER = pytest.mark.xfail(strict=False, reason="keras.io's text CNN: an order of the kernels its steps at "
+                                                     "the running size never show (benchmarks/NOTES.md)")
+
+
+@UNSEEN_ORDER
+def test_the_suggestion_for_keras_ios_text_cnn_trains_in_two_fresh_processes():
+    r = run(TEXT_CNN + """
+ok = fit(132, [tf_memguard.MemGuardCallback(verbose=0)])
+emit(ok=ok, size=tf_memguard.report().suggested_batch_size)
+""", env=HARD, timeout=900)
+    assert r.returncode == 0, r
+    assert r.data["ok"] and r.data["size"], r.data
+    size = r.data["size"]
+    for _ in range(2):
+        r = run(TEXT_CNN + f"emit(fits=fit({size}, []))", env=HARD, timeout=900)
+        assert r.returncode == 0, r
+        assert r.data["fits"], f"the suggested {size} ran out of memory"
