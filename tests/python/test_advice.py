@@ -209,6 +209,18 @@ def test_at_a_batch_size_that_divides_the_samples_the_suggestion_trains(batch):
     assert fit("autoencoder", size)["fits"], f"the suggested {size} ran out of memory"
 
 
+# fit() of a keras.io example's `model` on x, y for two epochs with a validation split:
+# True when it trained, False when it ran out of memory.
+FIT_SPLIT = """
+def fit(b, cbs):
+    try:
+        model.fit(x, y, batch_size=b, epochs=2, validation_split={split}, verbose=0, callbacks=cbs)
+        return True
+    except tf.errors.ResourceExhaustedError:
+        return False
+"""
+
+
 # keras.io's "Simple MNIST convnet" (its model, compile and fit as the example has them),
 # on random data of MNIST's shape, with a larger validation split than the example's 0.1:
 # Keras' copy of the validation arrays (11 MiB here) is made at the first epoch's end and
@@ -229,14 +241,7 @@ model = keras.Sequential([keras.Input(shape=(28, 28, 1)), layers.Conv2D(32, kern
                           layers.MaxPooling2D(pool_size=(2, 2)), layers.Flatten(), layers.Dropout(0.5),
                           layers.Dense(10, activation="softmax")])
 model.compile(loss="categorical_crossentropy", optimizer="adam", metrics=["accuracy"])
-
-def fit(b, cbs):
-    try:
-        model.fit(x, y, batch_size=b, epochs=2, validation_split=0.3, verbose=0, callbacks=cbs)
-        return True
-    except tf.errors.ResourceExhaustedError:
-        return False
-"""
+""" + FIT_SPLIT.format(split=0.3)
 
 
 def test_after_an_oom_the_suggestion_leaves_room_for_the_validation_arrays_copy():
@@ -290,14 +295,7 @@ h = layers.Dense(128, activation="relu")(h)
 h = layers.Dropout(0.5)(h)
 model = keras.Model(inputs, layers.Dense(1, activation="sigmoid", name="predictions")(h))
 model.compile(loss="binary_crossentropy", optimizer="adam", metrics=["accuracy"])
-
-def fit(b, cbs):
-    try:
-        model.fit(x, y, batch_size=b, epochs=2, validation_split=0.2, verbose=0, callbacks=cbs)
-        return True
-    except tf.errors.ResourceExhaustedError:
-        return False
-"""
+""" + FIT_SPLIT.format(split=0.2)
 UNSEEN_ORDER = pytest.mark.xfail(strict=False, reason="keras.io's text CNN: an order of the kernels its steps at "
                                                      "the running size never show (benchmarks/NOTES.md)")
 
