@@ -33,9 +33,14 @@ CONFIRM_STEPS = 4
 # fewer (CONFIRM_STEPS would be more than an epoch): two, as the zoo's runs and the
 # retries measured here are; up to six steps.
 CONFIRM_EPOCHS = 2
-# Confirmation runs at most (each refused one adds a short run halfway below it): the
-# ascent's ASCENT_RUNS sizes, each of which can be one to step down from.
-CONFIRM_TRIES = ASCENT_RUNS
+# Runs after the ascent at most, confirmations and short runs at halfway sizes together:
+# for each of the ascent's ASCENT_RUNS sizes a confirmation and a size halfway below it.
+CONFIRM_RUNS = 2 * ASCENT_RUNS
+# The bisection after the ascent stops where the largest size known good and the smallest
+# refused are this share of the former apart: one process's peaks at a size differ from
+# another's by about as much (the zoo's ResNet at 300: 380.5 to 404.5 MiB in three
+# processes, 6%), so a refusal within it says as little about a size as a completion.
+RESOLUTION = 1 / 16
 
 
 def with_unseen_order(trace, pool):
@@ -190,18 +195,9 @@ def model_after_oom(sampler, model):
         else:
             sampler.too_large = min(sampler.too_large, size)
             refused = True
-    # The answer is a size that ran: the model picks where to look, the runs decide.
-    # Extrapolated answers ran out in retries near the limit (the zoo's autoencoder:
-    # 1233 after its runs, in CI), where peaks move from run to run. A size above the
-    # first that completed must also survive CONFIRM_STEPS steps (where an epoch has more
-    # than two batches). A refusal there is one more refused size: the next try is halfway
-    # between the size below that completed and it, then confirmed the same way; at most
-    # CONFIRM_TRIES confirmations, then the first size that completed.
-    confirmed = len(completed) < 2
-    for _ in range(CONFIRM_TRIES):
-        if len(completed) < 2:
-            confirmed = True
-            break
+
+    def confirm(good):
+        # More steps at `good` than its short run's one recorded step (see CONFIRM_STEPS).
         steps = min(CONFIRM_STEPS, sampler.data.n // good.batch_size) if sampler.data.n else CONFIRM_STEPS
         if steps <= 2 and not sampler.data.from_dataset:
             # An epoch of two full batches or fewer: the short run at this size was a whole
@@ -216,25 +212,64 @@ def model_after_oom(sampler, model):
             how = f"a run of {steps} steps"
         if ran(with_unseen_order(trace, sampler.pool)):
             sampler.confirmed = (good.batch_size, how)
-            confirmed = True
-            break
-        sampler.too_large = min(sampler.too_large, good.batch_size)
-        sampler.after_oom = [b for b in sampler.after_oom if b < good.batch_size]
-        completed.pop()
-        size = (completed[-1].batch_size + good.batch_size) // 2
-        good = completed[-1]
-        if size > good.batch_size:
-            trace = sampler.short_fit(model, size, all_samples=True)
-            if ran(trace):
-                good = trace
-                completed.append(trace)
-                sampler.after_oom.append(size)
-            else:
-                sampler.too_large = min(sampler.too_large, size)
-    if not confirmed:
-        good = completed[0]
-        completed = completed[:1]
-        sampler.after_oom = [b for b in sampler.after_oom if b <= good.batch_size]
+            return True
+        return False
+
+    # The answer is a size that ran: the model picks where to look, the runs decide.
+    # Extrapolated answers ran out in retries near the limit (the zoo's autoencoder:
+    # 1233 after its runs, in CI), where peaks move from run to run. A size above the
+    # first that completed must also survive CONFIRM_STEPS steps (where an epoch has more
+    # than two batches). The largest confirmed is the answer. A refusal there is one more
+    # refused size; where none is left to confirm, the search goes on as a bisection
+    # between the first size that completed and the smallest refused (a halfway size that
+    # completes is confirmed in turn), until they are within RESOLUTION of each other or
+    # CONFIRM_RUNS runs are spent. (It stopped at the first that completed: on the zoo's
+    # mixed-precision CNN, 1,024 and 1,045 completed a short run and failed their
+    # confirmations, 838 was refused, and the answer was 653, 0.80 of 817.)
+    by_size = {t.batch_size: t for t in completed}
+
+    def run_at(size):
+        trace = sampler.short_fit(model, size, all_samples=True)
+        if not ran(trace):
+            return False
+        by_size[size] = trace
+        sampler.after_oom.append(size)
+        return True
+
+    answer, sampler.too_large = settle(completed[0].batch_size, [t.batch_size for t in completed[1:]],
+                                       sampler.too_large, run_at, lambda size: confirm(by_size[size]))
+    good = by_size[answer]
+    if sampler.confirmed and sampler.confirmed[0] != good.batch_size:
+        sampler.confirmed = None
+    sampler.after_oom = [b for b in sampler.after_oom if b <= good.batch_size]
+    completed = sorted((t for t in by_size.values() if t.batch_size <= good.batch_size), key=lambda t: t.batch_size)
     current = with_failed(build(good, completed[-2]) if len(completed) > 1 else build(good))
     sampler.cap = good.batch_size
     return sampler.use_model(current)
+
+
+def settle(first, pending, too_large, run_at, confirm, runs=None):
+    """The answer after the ascent: the largest size confirmed, or `first` (the size whose
+    whole short run completed first, known good). `pending`: the sizes above `first` whose
+    short run completed, ascending, each to be confirmed (`confirm(size)`: True when its
+    longer run completed); `too_large`: the smallest size refused. Where none is left to
+    confirm, a bisection between `first` and `too_large` (`run_at(size)`: True when a short
+    run at it completed; such a size is then confirmed in turn) until they lie within
+    RESOLUTION of `first` or `runs` (default CONFIRM_RUNS) runs are spent.
+    Returns (answer, too_large)."""
+    pending = sorted(pending)
+    for _ in range(CONFIRM_RUNS if runs is None else runs):
+        if pending:
+            size = pending.pop()
+            if confirm(size):
+                return size, too_large
+            too_large = min(too_large, size)
+            continue
+        size = (first + too_large) // 2
+        if size <= first or too_large - first <= first * RESOLUTION:
+            break
+        if run_at(size):
+            pending.append(size)
+        else:
+            too_large = min(too_large, size)
+    return first, too_large
