@@ -36,11 +36,12 @@ CONFIRM_EPOCHS = 2
 # Runs after the ascent at most, confirmations and short runs at halfway sizes together:
 # for each of the ascent's ASCENT_RUNS sizes a confirmation and a size halfway below it.
 CONFIRM_RUNS = 2 * ASCENT_RUNS
-# The bisection after the ascent stops where the largest size known good and the smallest
-# refused are this share of the former apart: one process's peaks at a size differ from
-# another's by about as much (the zoo's ResNet at 300: 380.5 to 404.5 MiB in three
-# processes, 6%), so a refusal within it says as little about a size as a completion.
-RESOLUTION = 1 / 16
+# How far apart in batch size a completed run and a refused one say nothing of each
+# other, as a share of the smaller: one process's peaks at a size differ from another's by
+# about as much (the zoo's ResNet at 300: 380.5 to 404.5 MiB in three processes, 6%; in
+# batch size it is more, the fixed part of the step not moving). The answer after an OOM
+# is at least this much below the smallest size refused (settle).
+RUN_SPREAD = 1 / 16
 
 
 def with_unseen_order(trace, pool):
@@ -219,12 +220,9 @@ def model_after_oom(sampler, model):
     # Extrapolated answers ran out in retries near the limit (the zoo's autoencoder:
     # 1233 after its runs, in CI), where peaks move from run to run. A size above the
     # first that completed must also survive CONFIRM_STEPS steps (where an epoch has more
-    # than two batches). The largest confirmed is the answer. A refusal there is one more
-    # refused size; where none is left to confirm, the search goes on as a bisection
-    # between the first size that completed and the smallest refused (a halfway size that
-    # completes is confirmed in turn), until they are within RESOLUTION of each other or
-    # CONFIRM_RUNS runs are spent. (It stopped at the first that completed: on the zoo's
-    # mixed-precision CNN, 1,024 and 1,045 completed a short run and failed their
+    # than two batches), and lie RUN_SPREAD below every size refused (settle). (The search
+    # once stopped at the first size that completed when a confirmation failed: on the
+    # zoo's mixed-precision CNN, 1,024 and 1,045 completed a short run and failed their
     # confirmations, 838 was refused, and the answer was 653, 0.80 of 817.)
     by_size = {t.batch_size: t for t in completed}
 
@@ -252,24 +250,36 @@ def settle(first, pending, too_large, run_at, confirm, runs=None):
     """The answer after the ascent: the largest size confirmed, or `first` (the size whose
     whole short run completed first, known good). `pending`: the sizes above `first` whose
     short run completed, ascending, each to be confirmed (`confirm(size)`: True when its
-    longer run completed); `too_large`: the smallest size refused. Where none is left to
-    confirm, a bisection between `first` and `too_large` (`run_at(size)`: True when a short
-    run at it completed; such a size is then confirmed in turn) until they lie within
-    RESOLUTION of `first` or `runs` (default CONFIRM_RUNS) runs are spent.
+    longer run completed); `too_large`: the smallest size refused.
+
+    A size is taken only at least RUN_SPREAD below the smallest refused one: within it, a
+    completion says as little as a refusal (on the zoo, the ResNet's 304 completed a short
+    run and four steps, 306 was refused, and the retry at 304 ran out; 301 is the most
+    that trains in two processes of two). The search goes up from the largest size known
+    good (first, then each one confirmed): the highest pending size not too near a
+    refusal is confirmed; where none is left, a short run halfway to the smallest refused
+    (`run_at(size)`: True when it completed; such a size is confirmed in turn), until the
+    next size would be too near a refusal or `runs` (default CONFIRM_RUNS) runs are spent.
     Returns (answer, too_large)."""
     pending = sorted(pending)
+    known = first
+
+    def ceiling():
+        return int(too_large / (1 + RUN_SPREAD))
     for _ in range(CONFIRM_RUNS if runs is None else runs):
+        pending = [v for v in pending if known < v <= ceiling()]
         if pending:
             size = pending.pop()
             if confirm(size):
-                return size, too_large
-            too_large = min(too_large, size)
+                known, pending = size, []
+            else:
+                too_large = min(too_large, size)
             continue
-        size = (first + too_large) // 2
-        if size <= first or too_large - first <= first * RESOLUTION:
+        size = min((known + too_large) // 2, ceiling())
+        if size <= known:
             break
         if run_at(size):
             pending.append(size)
         else:
             too_large = min(too_large, size)
-    return first, too_large
+    return known, too_large

@@ -58,7 +58,7 @@ def explain(device, refusal, suggestion=None, running=None, deferred=False, data
         now = f" (now {running})" if running else ""
         return text + (f" Reduce the batch size{now}: after the except block and gc.collect(), "
                        "tf_memguard.report().suggested_batch_size is the largest that fits (or 0, with the budget "
-                       "that would fit in the report), worked out when read with two short steps of fit() at "
+                       "that would fit in the report), worked out when read with short runs of fit() at "
                        "smaller sizes" + (" on the dataset's first batches, taken as arrays" if dataset else "") +
                        "; until then this error holds the failed fit()'s data, which the retry will "
                        "not meet. Retry after the except block.")

@@ -37,7 +37,7 @@ class Report:
         suggested_batch_size: the largest batch size that fits the budget by the run's
             memory model (0: none does), or None; suggestion_method says which steps the
             model was made from. After an out-of-memory error it is worked out when first
-            read (two short steps of fit() at smaller sizes, the model restored after
+            read (short runs of fit() at smaller sizes, the model restored after
             them): read it after the except block and gc.collect(), when the failed
             fit()'s data is no longer in the pool.
         advice: what to do, in a sentence (the batch size that fits, or that none does

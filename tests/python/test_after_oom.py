@@ -26,17 +26,30 @@ def test_failed_confirmations_go_on_as_a_bisection_below_them():
     # 1,024 and 1,045 completed, both confirmations ran out; the answer was 653 (0.80).
     runs = Runs(short=1045, long=800)
     answer, too_large = _after_oom.settle(653, [1024, 1045], 1307, runs.run_at, runs.confirm)
-    assert runs.calls[:2] == [("confirm", 1045), ("confirm", 1024)]
+    assert runs.calls[0] == ("confirm", 1045)
     assert 745 <= answer <= 800, runs.calls
     assert answer < too_large <= 1024
     assert len(runs.calls) <= _after_oom.CONFIRM_RUNS
+    assert ("confirm", answer) in runs.calls
 
 
-def test_the_largest_confirmed_size_is_the_answer_and_nothing_runs_after_it():
+def test_a_size_too_near_a_refused_one_is_not_the_answer():
+    # The zoo's ResNet after an OOM at 481 (301 trains): 304 completed a short run and
+    # four steps, 306 was refused, and the retry at 304 ran out.
+    runs = Runs(short=305, long=305)
+    answer, too_large = _after_oom.settle(240, [304], 306, runs.run_at, runs.confirm)
+    assert ("confirm", 304) not in runs.calls
+    assert 240 < answer <= 306 / (1 + _after_oom.RUN_SPREAD), runs.calls
+    assert ("confirm", answer) in runs.calls
+
+
+def test_the_answer_is_confirmed_and_at_least_the_spread_below_every_refusal():
     runs = Runs(short=2000, long=1030)
-    answer, _ = _after_oom.settle(653, [900, 1024, 1045], 1307, runs.run_at, runs.confirm)
-    assert answer == 1024
-    assert runs.calls == [("confirm", 1045), ("confirm", 1024)]
+    answer, too_large = _after_oom.settle(653, [900, 1024, 1045], 1307, runs.run_at, runs.confirm)
+    assert runs.calls[:2] == [("confirm", 1045), ("confirm", 900)]   # 1,024 is too near 1,045
+    assert too_large == 1045
+    assert 900 < answer <= 1045 / (1 + _after_oom.RUN_SPREAD), runs.calls
+    assert ("confirm", answer) in runs.calls
 
 
 def test_a_refused_size_above_the_first_leads_to_a_size_halfway():
@@ -48,10 +61,10 @@ def test_a_refused_size_above_the_first_leads_to_a_size_halfway():
     assert answer >= 236 and too_large == 262
 
 
-def test_no_run_where_the_first_size_lies_within_the_resolution_of_a_refused_one():
+def test_no_run_where_the_first_size_lies_within_the_spread_of_a_refused_one():
     runs = Runs(short=10_000, long=10_000)
     first = 1600
-    answer, too_large = _after_oom.settle(first, [], int(first * (1 + _after_oom.RESOLUTION)), runs.run_at,
+    answer, too_large = _after_oom.settle(first, [], int(first * (1 + _after_oom.RUN_SPREAD)), runs.run_at,
                                           runs.confirm)
     assert (answer, runs.calls) == (first, [])
 
