@@ -10,7 +10,7 @@ picks where to look, the runs decide. On a tf.data dataset the short runs are on
 batches as arrays, with room for what its pipeline holds beside the steps (_dataset_sample).
 """
 from tf_memguard import _recording
-from tf_memguard._memory_model import StepModel, StepModels, order_gap
+from tf_memguard._memory_model import RUN_SPREAD, StepModel, StepModels, order_gap
 
 # After an OOM at b0 the runs go down from b0 // 2 by this factor until one completes:
 # each refused one costs a step up to its refusal, and the largest that completes is then
@@ -36,12 +36,10 @@ CONFIRM_EPOCHS = 2
 # Runs after the ascent at most, confirmations and short runs at halfway sizes together:
 # for each of the ascent's ASCENT_RUNS sizes a confirmation and a size halfway below it.
 CONFIRM_RUNS = 2 * ASCENT_RUNS
-# How far apart in batch size a completed run and a refused one say nothing of each
-# other, as a share of the smaller: one process's peaks at a size differ from another's by
-# about as much (the zoo's ResNet at 300: 380.5 to 404.5 MiB in three processes, 6%; in
-# batch size it is more, the fixed part of the step not moving). The answer after an OOM
-# is at least this much below the smallest size refused (settle).
-RUN_SPREAD = 1 / 16
+# (RUN_SPREAD, from _memory_model: in batch size, how far apart a completed run and a
+# refused one say nothing of each other; the answer after an OOM is at least that much
+# below the smallest size refused, settle. In batch size the spread is more than in bytes,
+# the step's fixed part not moving.)
 
 
 def with_unseen_order(trace, pool):

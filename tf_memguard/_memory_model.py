@@ -49,6 +49,14 @@ _KIND_SHIFT = _core.ALLOC_KIND_SHIFT
 # more (the zoo's BiLSTM under 48 MiB: 0.8 MiB, its GRU under 72 MiB: 0.5 MiB, the
 # README's CNN under 128 MiB: 0.6 MiB).
 LAYOUT_SLACK = 0.02
+# How much the peaks of one batch size differ from process to process, as a share of the
+# step's own bytes: the order TensorFlow's threads run the kernels in is drawn anew in each
+# process and moves with the kernels' timing. The zoo's ResNet at 300 peaked at 380.5 and
+# 404.5 MiB in three processes (24 MiB, 6% of the peak; ResNet-like steps hold little
+# else); keras.io's text CNN at 277 peaked 11.6 MiB above its usual steps every few steps
+# (6% of the step's 188 MiB). Kept free for orders not met (StepModel.unseen_order_bytes),
+# and, in batch size, between an answer after an OOM and a size refused (_after_oom).
+RUN_SPREAD = 1 / 16
 _BATCH = _core.ALLOC_BATCH
 _ROWS = _core.ALLOC_BATCH_ROWS
 _MUST = _core.ALLOC_MUST_SUCCEED
@@ -566,7 +574,19 @@ class StepModel:
         16 MiB at 512, scaled from the 256 of the short fit()'s model, kept 56 MiB free at
         900 where 28 is the gap's share."""
         scale = max(1.0, float(batch_size) / max(self.order_batch or self.base_batch, 1))
-        return int(self.spread_bytes + self.order_bytes * scale)
+        return int(self.spread_bytes + max(self.order_bytes * scale, self.unseen_order_bytes(batch_size)))
+
+    def unseen_order_bytes(self, batch_size):
+        """The least kept free at `batch_size` for orders of the kernels that no recorded
+        step met: RUN_SPREAD of the step's own bytes there (its peak less the blocks live
+        at its start, which no order moves). The orders a run meets depend on its kernels'
+        timing, which moves with the batch size and the machine's load: keras.io's text
+        CNN's 64 steps at 132 all peaked alike, while at 277 every few steps one allocated
+        its 68 MiB dropout mask at a worse moment, 11.6 MiB above the others (about 6% of
+        that step's 188 MiB), and the model of the steps at 132 named 277 (264 trains)."""
+        sizes, _, _, _ = self._ops(batch_size)
+        start = int(sizes[:len(self.start_fixed)].sum())
+        return int(RUN_SPREAD * max(0, int(self.need(batch_size)["peak_account"]) - start))
 
     def optimistic(self):
         """The same model with the other bound for blocks known only to lie between fixed
