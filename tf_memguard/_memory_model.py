@@ -446,6 +446,9 @@ class StepModel:
     # How many of the start blocks were added to the recorded ones (build's extra_start:
     # batches other steps met, room for what a model fell short of); they are the last.
     added_start: int = 0
+    # The template allocates in one order every step (StepTrace.ordered: PyTorch's eager
+    # steps): no order of the kernels is left unmet (unseen_order_bytes).
+    ordered: bool = False
 
     @classmethod
     def build(cls, template, other=None, start=None, observed_peak=None, first=False, extra_start=None,
@@ -519,7 +522,7 @@ class StepModel:
                     samples=int(epoch[0]) if epoch else 0,
                     batch_bytes_per_sample=float(epoch[1]) if epoch else 0.0,
                     array_bytes=tuple(float(v) for v in epoch[2]) if epoch and len(epoch) > 2 else (),
-                    added_start=len(s_size) - len(start.start_size))
+                    added_start=len(s_size) - len(start.start_size), ordered=bool(template.ordered))
         peak = template.observed_peak if observed_peak is None else observed_peak
         if peak:
             replayed = model.need(template.batch_size)["peak_account"]
@@ -583,7 +586,10 @@ class StepModel:
         timing, which moves with the batch size and the machine's load: keras.io's text
         CNN's 64 steps at 132 all peaked alike, while at 277 every few steps one allocated
         its 68 MiB dropout mask at a worse moment, 11.6 MiB above the others (about 6% of
-        that step's 188 MiB), and the model of the steps at 132 named 277 (264 trains)."""
+        that step's 188 MiB), and the model of the steps at 132 named 277 (264 trains).
+        Nothing for a step whose kernels allocate in one order every time (`ordered`)."""
+        if self.ordered:
+            return 0
         sizes, _, _, _ = self._ops(batch_size)
         start = int(sizes[:len(self.start_fixed)].sum())
         return int(RUN_SPREAD * max(0, int(self.need(batch_size)["peak_account"]) - start))

@@ -95,6 +95,21 @@ def test_the_largest_batch_size_that_fits_is_the_one_whose_replay_fits():
     assert model.budget_for(best) <= budget + (64 << 10)   # found to 64 KiB
 
 
+def test_steps_in_one_order_keep_nothing_for_orders_not_met():
+    # PyTorch's eager steps allocate in one order every time (StepTrace.ordered); the
+    # RUN_SPREAD kept for TensorFlow's orders is not kept for them.
+    import dataclasses
+    pool = make_pool()
+    a, b = record(pool, 32), record(pool, 16)
+    drawn = mm.StepModel.build(a, b)
+    ordered = mm.StepModel.build(dataclasses.replace(a, ordered=True), dataclasses.replace(b, ordered=True))
+    assert ordered.need(100) == drawn.need(100)
+    assert ordered.unseen_order_bytes(100) == 0
+    assert drawn.unseen_order_bytes(100) == int(mm.RUN_SPREAD * (3 + 150) * MiB)   # the step's own bytes
+    assert ordered.largest_fitting(200 * MiB) == int((0.98 * 200 - 7) / 1.5) == 126
+    assert mm.StepModel.from_dict(ordered.to_dict()).largest_fitting(200 * MiB) == 126
+
+
 def flattened_step(pool, b):
     """A step with two batch-shaped tensors flattened to (b x steps, features), of b / 8
     and b / 16 MiB (a Dense layer's output and input on 3-D data): the larger at 16 has
