@@ -581,18 +581,24 @@ class StepModel:
 
     def unseen_order_bytes(self, batch_size):
         """The least kept free at `batch_size` for orders of the kernels that no recorded
-        step met: RUN_SPREAD of the step's own bytes there (its peak less the blocks live
-        at its start, which no order moves). The orders a run meets depend on its kernels'
-        timing, which moves with the batch size and the machine's load: keras.io's text
-        CNN's 64 steps at 132 all peaked alike, while at 277 every few steps one allocated
-        its 68 MiB dropout mask at a worse moment, 11.6 MiB above the others (about 6% of
-        that step's 188 MiB), and the model of the steps at 132 named 277 (264 trains).
+        step met: RUN_SPREAD of what the step's own bytes (its peak less the blocks live at
+        its start, which no order moves) grew by from a batch of 1. The orders a run meets
+        depend on its kernels' timing, which grows with the batch: keras.io's text CNN's 64
+        steps at 132 all peaked alike, while at 277 every few steps one allocated its 68
+        MiB dropout mask at a worse moment, 11.6 MiB above the others (about 6% of that
+        step's 188 MiB), and the model of the steps at 132 named 277 (264 trains). The
+        part that does not grow is left out: its orders are met at the running size as at
+        any other, and a run's first step, which builds the optimizer's slots, holds much
+        of it (the zoo's embedding model's first step peaks at 74.5 of its 76 MiB whatever
+        the batch size; with 6% of all of it kept, no size above the running one fitted).
         Nothing for a step whose kernels allocate in one order every time (`ordered`)."""
         if self.ordered:
             return 0
+        return int(RUN_SPREAD * max(0, self._own_bytes(batch_size) - self._own_bytes(1)))
+
+    def _own_bytes(self, batch_size):
         sizes, _, _, _ = self._ops(batch_size)
-        start = int(sizes[:len(self.start_fixed)].sum())
-        return int(RUN_SPREAD * max(0, int(self.need(batch_size)["peak_account"]) - start))
+        return int(self.need(batch_size)["peak_account"]) - int(sizes[:len(self.start_fixed)].sum())
 
     def optimistic(self):
         """The same model with the other bound for blocks known only to lie between fixed

@@ -76,9 +76,10 @@ def test_a_tagged_workspace_that_stops_growing_is_seen_from_the_second_step():
 
 def largest(budget_mib, step_fixed_mib, start_mib=4):
     """The largest b whose step of start + fixed + 1.5 b MiB fits `budget_mib`, with
-    LAYOUT_SLACK of the budget and RUN_SPREAD of the step's own bytes kept free."""
-    grow = 1 + mm.RUN_SPREAD
-    return int(((1 - mm.LAYOUT_SLACK) * budget_mib - start_mib - step_fixed_mib * grow) / (1.5 * grow))
+    LAYOUT_SLACK of the budget and RUN_SPREAD of what the step's own bytes grew by from a
+    batch of 1 (1.5 (b - 1) MiB) kept free."""
+    s = mm.RUN_SPREAD
+    return int(((1 - mm.LAYOUT_SLACK) * budget_mib - start_mib - step_fixed_mib + 1.5 * s) / (1.5 * (1 + s)))
 
 
 def test_the_largest_batch_size_that_fits_is_the_one_whose_replay_fits():
@@ -87,7 +88,8 @@ def test_the_largest_batch_size_that_fits_is_the_one_whose_replay_fits():
     budget = 200 * MiB
     best = model.largest_fitting(budget)
     # 4 + 3 + 1.5 b MiB within 98% of the budget (LAYOUT_SLACK kept free for the layout), and
-    # RUN_SPREAD of the step's own 3 + 1.5 b kept free for orders of its kernels not met.
+    # RUN_SPREAD of what its own bytes grew by from a batch of 1 kept free for orders of its
+    # kernels not met.
     assert best == largest(200, 3) == 118, best
     assert model.fits(best, budget) and not model.fits(best + 1, budget)
     assert model.largest_fitting(budget, at_most=40) == 40
@@ -105,7 +107,7 @@ def test_steps_in_one_order_keep_nothing_for_orders_not_met():
     ordered = mm.StepModel.build(dataclasses.replace(a, ordered=True), dataclasses.replace(b, ordered=True))
     assert ordered.need(100) == drawn.need(100)
     assert ordered.unseen_order_bytes(100) == 0
-    assert drawn.unseen_order_bytes(100) == int(mm.RUN_SPREAD * (3 + 150) * MiB)   # the step's own bytes
+    assert drawn.unseen_order_bytes(100) == int(mm.RUN_SPREAD * 1.5 * 99 * MiB)   # what the step grew by from 1
     assert ordered.largest_fitting(200 * MiB) == int((0.98 * 200 - 7) / 1.5) == 126
     assert mm.StepModel.from_dict(ordered.to_dict()).largest_fitting(200 * MiB) == 126
 
@@ -156,8 +158,8 @@ def test_a_step_recorded_where_the_batch_size_divides_the_samples_has_its_own_do
     assert heavy.largest_fitting(budget) == largest(200, 11) == 113
     assert light.largest_fitting(budget) == largest(200, 3) == 118
     assert both.largest_fitting(budget) == 113
-    # Under 216 MiB the heavy trace fits up to 122 and the light one up to 128, a divisor.
-    assert (largest(216, 11), largest(216, 3)) == (122, 128)
+    # Under 216 MiB the heavy trace fits up to 123 and the light one up to 128, a divisor.
+    assert (largest(216, 11), largest(216, 3)) == (123, 128)
     assert both.largest_fitting(216 * MiB) == 128
     # A model of the unknown-size trace that needs less than the known-size one's (one
     # short fit()'s step, a low draw) does not lower a size's need below the latter's: that
