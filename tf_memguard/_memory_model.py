@@ -594,7 +594,10 @@ class StepModel:
         Nothing for a step whose kernels allocate in one order every time (`ordered`)."""
         if self.ordered:
             return 0
-        return int(RUN_SPREAD * max(0, self._own_bytes(batch_size) - self._own_bytes(1)))
+        # (At a batch of 1 it is the same for every replay: worked out once per model.)
+        if "_own_at_one" not in self.__dict__:
+            self._own_at_one = self._own_bytes(1)
+        return int(RUN_SPREAD * max(0, self._own_bytes(batch_size) - self._own_at_one))
 
     def _own_bytes(self, batch_size):
         sizes, _, _, _ = self._ops(batch_size)
