@@ -291,6 +291,40 @@ def prepared_bytes(trace):
     return int(trace.start_size[tagged].sum()) + int(sum(live.values()))
 
 
+def scaled_peak(trace, factor):
+    """The most bytes `trace`'s step had live at once with its batch-tagged blocks (those
+    live at its start and those it made) `factor` times their size: how high the step's
+    own order of allocations would peak at `factor` times its batch size, without a model.
+    Refused requests hold nothing."""
+    tagged = (trace.start_flags & _core.ALLOC_BATCH) != 0
+    plain = float(trace.start_size[~tagged].sum())
+    shaped = float(trace.start_size[tagged].sum())
+    best = plain + factor * shaped
+    live = {a: (float(v), t) for a, v, t in zip(trace.start_address.tolist(), trace.start_size.tolist(),
+                                                  tagged.tolist())}
+    for op, addr, size, flags in zip(trace.op.tolist(), trace.address.tolist(), trace.size.tolist(),
+                                     trace.flags.tolist()):
+        if op == _FREE:
+            block = live.pop(addr, None)
+            if block is None:
+                continue
+            if block[1]:
+                shaped -= block[0]
+            else:
+                plain -= block[0]
+            continue
+        if op not in (_ALLOC, _OVERSHOOT):
+            continue
+        batch = bool(flags & _core.ALLOC_BATCH)
+        live[addr] = (float(size), batch)
+        if batch:
+            shaped += size
+        else:
+            plain += size
+        best = max(best, plain + factor * shaped)
+    return int(best)
+
+
 # The flags of a batch-shaped block of data live at a step's start, added to a recorded
 # step by the models: tf.data's prepared batches it did not meet (bounded by the epoch,
 # as the batches it met: StepModel._ops).

@@ -37,6 +37,10 @@ RECORDED_EPOCHS = 2
 # Short fit() runs of its own per run for the second size (after an OOM, _after_oom's
 # DESCENT and ASCENT_RUNS bound them).
 MAX_NESTED_RUNS = 4
+# The batch size, over the running one, at which the steps' own orders are compared for the
+# steepest (StepSampler.steep): the advice is mostly asked for from a run at about half
+# the size that fits (the issue's zoo, and a user halving a size that ran out).
+STEEP_FACTOR = 2.0
 
 
 class StepSampler:
@@ -61,6 +65,12 @@ class StepSampler:
         self.lone = None
         self.template = None      # the steady steps' (the highest of them)
         self.template_peak = -1
+        # The full step at b0 whose own order of allocations, with its batch-shaped blocks
+        # scaled by STEEP_FACTOR, peaks highest (_recording.scaled_peak), where that is not
+        # the template: the order whose peak grows fastest with the batch.
+        self.steep = None
+        self.steep_at = -1
+        self.steep_peak = 0
         self.first = None         # the run's first step (it traces the step's function)
         self.other = None
         self.prefix = None        # the step refused partway, if one was
@@ -138,6 +148,11 @@ class StepSampler:
             if peak > self.template_peak:
                 self.template, self.template_peak, self.template_footprint = trace, peak, footprint
                 self._model = None
+            if not trace.ordered:
+                steep = _recording.scaled_peak(trace, STEEP_FACTOR)
+                if steep > self.steep_at:
+                    self.steep, self.steep_at, self.steep_peak = trace, steep, int(peak)
+                    self._model = None
         elif which == "other":
             trace = self.recorder.end(True)
             if trace is not None:
@@ -198,12 +213,20 @@ class StepSampler:
         spread from `observed_peak` (the highest step peak fit() showed at b0)."""
         if self._model is None and (self.template is not None or self.first is not None):
             order = self.order_bytes()
-            steady = StepModel.build(self.template, self.other, observed_peak=observed_peak or None,
-                                     extra_start=_recording.joined(self._unmet_prepared(self.template),
-                                                                   self.data.unmet_copies(self.template)),
-                                     epoch=self.data.epoch,
-                                     order_bytes=order, layout_bytes=self.layout_bytes()) \
-                if self.template is not None else None
+
+            def steady_of(trace, peak):
+                return StepModel.build(trace, self.other, observed_peak=peak or None,
+                                       extra_start=_recording.joined(self._unmet_prepared(trace),
+                                                                     self.data.unmet_copies(trace)),
+                                       epoch=self.data.epoch, order_bytes=order, layout_bytes=self.layout_bytes())
+            steady = steady_of(self.template, observed_peak) if self.template is not None else None
+            # The steepest order too (self.steep), with its own peak: the template's order
+            # is the highest at b0, not at the size asked about. The zoo's wide MLP at 174
+            # (50 MiB): its templates' peaks were alike in every process (47.39 MiB), but
+            # scaled to 348 their replays needed 47.9 to 49.6 MiB (a step at 348: 49.6),
+            # and the advice named 298 to 446 from process to process (348 trains).
+            steep = steady_of(self.steep, self.steep_peak) \
+                if self.steep is not None and self.steep is not self.template else None
             # (Not the first step's: a run's first step meets the pipeline as it starts.)
             # (Its copies: the training arrays', never the validation arrays', which a run's
             # first step is always without.)
@@ -211,7 +234,7 @@ class StepSampler:
                                     extra_start=self.data.unmet_copies(self.first, validation=False)) \
                 if self.first is not None else None
             domain = "static" if self.static else "all"
-            models, domains = [steady, first], [domain, domain]
+            models, domains = [steady, first, steep], [domain, domain, domain]
             start = self.template or self.first
             if self.static and self.lone is not None and self.lone.complete:
                 # The other trace: the short fit()'s step, for the sizes that do not divide

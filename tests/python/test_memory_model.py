@@ -515,6 +515,58 @@ def test_a_step_recorded_after_the_model_was_read_updates_its_order_gap():
     assert sampler.model().models[0].order_bytes == MiB
 
 
+def test_the_order_whose_peak_grows_fastest_is_modelled_beside_the_highest():
+    # The zoo's wide MLP at 174: every process's highest step peaked at 47.39 MiB, mostly
+    # in fixed blocks, while other steps' orders had more of the batch live at their peak;
+    # the template alone named up to 446 where 348 trains. Step A (the template) peaks at
+    # 14 MiB in a fixed 10 MiB block and grows little; step B peaks lower (13 MiB) with its
+    # 8 MiB of activations live, and at twice the size would peak at 21: both are modelled.
+    from tf_memguard import _recording
+    from tf_memguard._steps import StepSampler
+
+    def fixed_then_batch(pool, b):
+        pool.free(pool.allocate(10 * MiB, kind="kernel"))
+        pool.free(pool.allocate(b * MiB // 4, batch=True, kind="kernel"))
+
+    def batch_with_fixed(pool, b):
+        a = pool.allocate(b * MiB, batch=True, kind="kernel")
+        pool.free(pool.allocate(MiB, kind="kernel"))
+        pool.free(a)
+
+    pool = make_pool()   # 4 MiB of weights
+    sampler = StepSampler(pool, 8)
+    sampler.epoch_begin(0)
+    for i, run in enumerate([fixed_then_batch, fixed_then_batch, batch_with_fixed]):
+        pool.reset_peak()
+        sampler.step_begin(0, i)   # step 0 is the run's first step, not a candidate
+        run(pool, 8)
+        sampler.step_end(0, i)
+    live = pool.live_blocks()
+    pool.trace_start(1 << 16)
+    fixed_then_batch(pool, 4)
+    batch_with_fixed(pool, 4)
+    pool.trace_start(0)
+    sampler.other, sampler._model = mm.StepTrace.from_pool(pool, live, 4), None
+    assert _recording.scaled_peak(sampler.template, 2.0) == 14 * MiB
+    assert _recording.scaled_peak(sampler.steep, 2.0) == 21 * MiB
+    models = sampler.model()
+    assert len(models.models) == 3   # the template's, the first step's, the steep one's
+    budget = 24 * MiB
+    template_only = models.models[0].largest_fitting(budget)
+    # B at b: 4 + b + 1 MiB, with RUN_SPREAD of its growth and 2% of the budget kept free.
+    assert template_only > 40
+    assert 14 <= models.largest_fitting(budget) <= 18
+    # A step that is both the highest and the steepest makes no second model.
+    pool = make_pool()
+    sampler = StepSampler(pool, 8)
+    sampler.epoch_begin(0)
+    for i in range(3):
+        sampler.step_begin(0, i)
+        batch_with_fixed(pool, 8)
+        sampler.step_end(0, i)
+    assert sampler.steep is sampler.template and len(sampler.model().models) == 2
+
+
 def test_steps_whose_start_differs_by_less_than_a_granule_are_alike():
     # The mixed-precision CNN at 256: the same two peaks in steps whose start differed by
     # a 4 KiB block; apart, the higher was met once in one group (a 12.9 MiB gap).
