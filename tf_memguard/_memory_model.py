@@ -49,14 +49,17 @@ _KIND_SHIFT = _core.ALLOC_KIND_SHIFT
 # more (the zoo's BiLSTM under 48 MiB: 0.8 MiB, its GRU under 72 MiB: 0.5 MiB, the
 # README's CNN under 128 MiB: 0.6 MiB).
 LAYOUT_SLACK = 0.02
-# How much the peaks of one batch size differ from process to process, as a share of the
-# step's own bytes: the order TensorFlow's threads run the kernels in is drawn anew in each
-# process and moves with the kernels' timing. The zoo's ResNet at 300 peaked at 380.5 and
-# 404.5 MiB in three processes (24 MiB, 6% of the peak; ResNet-like steps hold little
-# else); keras.io's text CNN at 277 peaked 11.6 MiB above its usual steps every few steps
-# (6% of the step's 188 MiB). Kept free for orders not met (StepModel.unseen_order_bytes),
-# and, in batch size, between an answer after an OOM and a size refused (_after_oom).
-RUN_SPREAD = 1 / 16
+# How much the peaks of one batch size differ from process to process, as a share of what
+# the step's own bytes grew by from a batch of 1: the order TensorFlow's threads run the
+# kernels in is drawn anew in each process and moves with the kernels' timing. The zoo's
+# ResNet at 300 peaked at 380.5 and 404.5 MiB in three processes (24 MiB: 6.3% of its
+# step's growth, about 380 MiB); keras.io's text CNN at 277 peaked 11.6 MiB above its
+# usual steps every few steps (6.7% of its steady step's 174 MiB of growth; measured as
+# 6% of the whole step at first, and 1/16 kept, which its find_batch_size's 260 ran out
+# through). The largest share measured, rounded up to a unit fraction. Kept free for
+# orders not met (StepModel.unseen_order_bytes), and, in batch size, between an answer
+# after an OOM and a size refused (_after_oom).
+RUN_SPREAD = 1 / 14
 _BATCH = _core.ALLOC_BATCH
 _ROWS = _core.ALLOC_BATCH_ROWS
 _MUST = _core.ALLOC_MUST_SUCCEED
