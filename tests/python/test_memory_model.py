@@ -567,6 +567,37 @@ def test_the_order_whose_peak_grows_fastest_is_modelled_beside_the_highest():
     assert sampler.steep is sampler.template and len(sampler.model().models) == 2
 
 
+def test_after_an_oom_a_model_that_says_the_failed_size_fits_does_not_give_the_answer():
+    # The zoo's embedding model at 1,316: steps completed, the next was refused, and the
+    # completed steps' model, which said 1,316 fits, named 1,315 (823 trains). Where the
+    # model says the failed size fits, the refusal showed it wrong: short runs of its own
+    # decide (after_oom_needs_steps); where it says it does not, its answer stands.
+    from tf_memguard._steps import StepSampler
+
+    def sampler_after_oom(budget):
+        pool = tf_memguard.Pool(max_bytes=budget, upstream="host_lazy")
+        pool.allocate(4 * MiB, kind="kernel")
+        x, y = np.zeros((64, 4), np.float32), np.zeros(64, np.float32)
+        sampler = StepSampler(pool, 8, n_samples=64, x=x, y=y)
+        sampler.epoch_begin(0)
+        for i in range(3):
+            pool.reset_peak()
+            sampler.step_begin(0, i)
+            step(pool, 8)          # peaks at 4 + 8 + 3 + 4 = 19 MiB
+            sampler.step_end(0, i)
+        sampler.step_begin(0, 3)
+        a = pool.allocate(MiB, kind="kernel")   # ... and the next step is refused partway
+        assert sampler.failed_step() is not None
+        pool.free(a)
+        return sampler
+
+    shown_wrong = sampler_after_oom(1 << 30)
+    assert shown_wrong.model().fits(8, 1 << 30) and shown_wrong.after_oom_needs_steps()
+    budget = int(19.5 * MiB)   # the steps fit, the model (with its margins) says 8 does not
+    told = sampler_after_oom(budget)
+    assert not told.model().fits(8, budget) and not told.after_oom_needs_steps()
+
+
 def test_steps_whose_start_differs_by_less_than_a_granule_are_alike():
     # The mixed-precision CNN at 256: the same two peaks in steps whose start differed by
     # a 4 KiB block; apart, the higher was met once in one group (a 12.9 MiB gap).
