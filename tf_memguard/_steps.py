@@ -11,6 +11,10 @@ In a run of fit() at batch size b0 (see MemGuardCallback):
   second epoch counts because it can run another trace of the step (TensorFlow traces it
   again for the epoch's partial last batch, with an unknown batch dimension) and holds
   what the first epoch's end made (the validation data's copy);
+- the steep step: of the same steps, the one whose own order of allocations would peak
+  highest at twice b0 (its batch-shaped blocks doubled), where it is not the template: the
+  order that is highest at b0 is not always the one that grows fastest, and both are
+  modelled;
 - the second size: the first epoch's partial last batch when there is one of a useful
   size (a step fit() runs anyway), else a short fit() of its own at b0 // 2 on the first
   samples of the arrays (its second step recorded, the model restored exactly). It tells
