@@ -17,7 +17,7 @@ cores): every row is a dozen fresh processes or more; with --limits (the limits 
 earlier run, which do not depend on the advice) five per row.
 
     python benchmarks/advice_zoo.py [--models resnet,gru] [--out benchmarks/results/advice_zoo.json]
-                                    [--limits benchmarks/results/advice_zoo.json]
+                                    [--limits benchmarks/results/advice_zoo.json] [--limits-only]
 """
 import argparse
 import json
@@ -160,8 +160,9 @@ def divisor_batch(n, limit):
     return b
 
 
-def evaluate(name, budget, known=None):
-    """The row of model `name`; `known`: its limit from an earlier run (no bisection)."""
+def evaluate(name, budget, known=None, limit_only=False):
+    """The row of model `name`; `known`: its limit from an earlier run (no bisection);
+    `limit_only`: the limit alone (its bisection's runs kept)."""
     t0 = time.time()
     trials = Trials(name, budget)
     if known:
@@ -170,6 +171,10 @@ def evaluate(name, budget, known=None):
         probe = run(FIT.format(name=name, budget=budget, batch=32))
         guess = probe.get("suggested") or 64
         limit = trials.limit(guess)
+    if limit_only:
+        return {"model": name, "budget_mib": budget, "limit": limit, "fit_runs": trials.runs,
+                "bisection": {str(b): [r["fits"] for r in got] for b, got in sorted(trials.cache.items())},
+                "seconds": round(time.time() - t0, 1)}
     half = max(1, limit // 2)
     advised = run(FIT.format(name=name, budget=budget, batch=half))
     suggested = advised.get("suggested") if advised["fits"] else None
@@ -228,6 +233,8 @@ def main(argv=None):
     ap.add_argument("--limits", default=None,
                     help="a JSON written by this script: take each model's limit from it instead of bisecting "
                          "(the limit depends on the model and the pool, not on the advice)")
+    ap.add_argument("--limits-only", action="store_true",
+                    help="bisect each model's limit and stop there (rows of model, budget and limit, for --limits)")
     args = ap.parse_args(argv)
     known = {}
     if args.limits:
@@ -235,12 +242,16 @@ def main(argv=None):
             known = {r["model"]: r["limit"] for r in json.load(f)["rows"]}
     rows = []
     for name in args.models.split(","):
-        row = evaluate(name, BUDGETS[name], known.get(name))
+        row = evaluate(name, BUDGETS[name], known.get(name), limit_only=args.limits_only)
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:
             json.dump({"rows": rows, "epochs": 2, "repeats": 2}, f, indent=2)
-    print(table(rows))
+    if args.limits_only:
+        for r in rows:
+            print(f"{r['model']:<16}{r['budget_mib']:>6} MiB  limit {r['limit']:>5}  ({r['fit_runs']} runs, {r['seconds']} s)")
+    else:
+        print(table(rows))
     return 0
 
 

@@ -31,6 +31,8 @@ class Config:
         plugin_path: the library that routes tensors to the pool (the TensorFlow plugin,
             or the PyTorch glue).
         framework: "tensorflow", "torch" or "jax": whose tensors the budget holds.
+        wait: seconds without a block freed after which a kernel's request that does not
+            fit is refused (0: at once; only TensorFlow's requests wait).
     """
 
     device: str
@@ -40,6 +42,7 @@ class Config:
     total_memory: int
     plugin_path: str
     framework: str = "tensorflow"
+    wait: float = 0.0
 
     @property
     def enforced(self):
@@ -243,7 +246,20 @@ def _install_xla(max_bytes, device):
 _warned_xla = set()
 
 
-def install(max_bytes, device=None):
+# Seconds without a block freed after which a waiting request is refused (see install()).
+DEFAULT_WAIT = 1.0
+
+
+def _wait_seconds(wait):
+    if wait is None:
+        return DEFAULT_WAIT
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 3600:
+        raise ValueError(f"wait={wait!r}: must be a number of seconds from 0 (refuse at once) to 3600, or None "
+                         f"for the default ({DEFAULT_WAIT})")
+    return float(wait)
+
+
+def install(max_bytes, device=None, wait=None):
     """Puts the tensors of `device` under a hard budget of `max_bytes`.
 
     Call it before building the model. From then on every tensor the framework allocates
@@ -271,6 +287,13 @@ def install(max_bytes, device=None):
     run needed, never above the budget. Other GPUs are served too, counted, without a
     budget.
 
+    Near the budget, a TensorFlow kernel's request that does not fit first waits for
+    blocks that the kernels running on other threads free (TensorFlow runs a step's
+    kernels on several threads, in an order drawn anew in every process, so the same
+    step can peak higher in one process than in the next); it is refused only once no
+    block was freed for `wait` seconds, and a step that does not fit then fails without
+    further waits. TensorFlow's own BFC allocator waits the same way (up to 10 s).
+
     Calling it again changes the budget (raising it always works; lowering it below what
     the pool holds in regions with live tensors raises OutOfBudgetError and keeps the old
     one). Tensors allocated before the first install() are not under the budget; the
@@ -283,6 +306,10 @@ def install(max_bytes, device=None):
         device: "CPU:0", or "GPU:<n>" / "cuda:<n>" (a fraction is then of that GPU's
             memory; call install() before the framework sets up the GPU, i.e. before the
             first op or model). Defaults to "CPU:0" on TensorFlow, "GPU:0" on torch.
+        wait: seconds a TensorFlow kernel's request that does not fit waits without any
+            block freed before it is refused; 0 refuses at once. Defaults to
+            DEFAULT_WAIT (1 s). Requests on Keras' torch backend never wait (one
+            thread allocates there, and nothing else would free).
 
     Returns:
         The Config in force.
@@ -302,6 +329,7 @@ def install(max_bytes, device=None):
     framework = _backend.framework()
     device = normalize_device(device if device is not None else _backend.default_device())
     parse_bytes(max_bytes, 1 << 40)  # a bad value fails before anything is set up
+    wait_s = _wait_seconds(wait)
     if framework == "jax":
         return _install_xla(max_bytes, device)
     if framework == "torch":
@@ -317,8 +345,10 @@ def install(max_bytes, device=None):
         previous = _configs.get(device)
         predating = previous.predating_bytes if previous else pool.stats()["passthrough_bytes_in_use"]
         pool.set_limit(n)
+        pool.set_wait(wait_s if framework == "tensorflow" else 0.0)
         cfg = Config(device=device, max_bytes=n, requested=max_bytes, predating_bytes=predating,
-                     total_memory=total, plugin_path=path, framework=framework)
+                     total_memory=total, plugin_path=path, framework=framework,
+                     wait=wait_s if framework == "tensorflow" else 0.0)
         _configs[device] = cfg
     return cfg
 
@@ -366,5 +396,5 @@ def reset_peak(device=None):
     device_pool(device).reset_peak()
 
 
-__all__ = ["Config", "HELP", "config", "device_pool", "install", "last_refusal", "reset_peak",
+__all__ = ["Config", "DEFAULT_WAIT", "HELP", "config", "device_pool", "install", "last_refusal", "reset_peak",
            "resolve_device", "stats"]

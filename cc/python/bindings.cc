@@ -116,6 +116,10 @@ py::dict stats_dict(const tfmg_stats& s) {
   d["window_tight_in_use_bytes"] = s.window_tight_in_use_bytes;
   d["num_reclaims"] = s.num_reclaims;
   d["bytes_reclaimed"] = s.bytes_reclaimed;
+  d["num_waits"] = s.num_waits;
+  d["num_waits_served"] = s.num_waits_served;
+  d["wait_ns"] = s.wait_ns;
+  d["longest_wait_ns"] = s.longest_wait_ns;
   py::dict by_kind, bytes_by_kind, in_use_by_kind, over_in_use_by_kind;
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
     by_kind[kKinds[k]] = s.overshoots_by_kind[k];
@@ -146,6 +150,7 @@ py::dict refusal_dict(const tfmg_refusal& r) {
   d["passthrough_bytes_in_use"] = r.passthrough_bytes_in_use;
   d["requested_batch"] = r.requested_batch != 0;
   d["kind"] = r.kind >= 0 && r.kind < TFMG_NUM_KINDS ? kKinds[r.kind] : "other";
+  d["waited_ns"] = r.waited_ns;
   py::dict in_use_by_kind, over_in_use_by_kind;
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
     in_use_by_kind[kKinds[k]] = r.bytes_in_use_by_kind[k];
@@ -205,11 +210,12 @@ class Pool {
   }
 
   uintptr_t allocate(const py::object& nbytes, const py::object& alignment, bool must_succeed,
-                     bool batch, const std::string& kind) {
+                     bool batch, const std::string& kind, bool wait) {
     const uint64_t n = to_u64(nbytes, "nbytes", true);
     const uint64_t a = to_u64(alignment, "alignment", false);
+    if (wait && must_succeed) throw py::value_error("wait=True with must_succeed=True: a request that must succeed never waits");
     const uint32_t flags = (must_succeed ? TFMG_ALLOC_MUST_SUCCEED : 0u) | (batch ? TFMG_ALLOC_BATCH : 0u) |
-                           TFMG_ALLOC_KIND(parse_kind(kind));
+                           (wait ? TFMG_ALLOC_WAIT : 0u) | TFMG_ALLOC_KIND(parse_kind(kind));
     tfmg_pool* p = get();
     void* out = nullptr;
     call([&] { return tfmg_pool_allocate(p, n, a, flags, &out); });
@@ -232,6 +238,16 @@ class Pool {
     call([&] { return tfmg_pool_block_size(p, ptr, &size); });
     return size;
   }
+
+  void set_wait(double seconds) {
+    if (!(seconds >= 0.0) || seconds > 3600.0) {
+      throw py::value_error("wait=" + py::repr(py::float_(seconds)).cast<std::string>() +
+                            ": must be a number of seconds from 0 (refuse at once) to 3600");
+    }
+    tfmg_pool* p = get();
+    call([&] { return tfmg_pool_set_wait(p, static_cast<int64_t>(seconds * 1e9)); });
+  }
+  double wait() { return tfmg_pool_wait(get()) / 1e9; }
 
   void set_limit(const py::object& max_bytes, bool drain) {
     const uint64_t n = to_u64(max_bytes, "max_bytes", false);
@@ -303,6 +319,7 @@ class Pool {
       d["size"] = e.size;
       d["offset"] = e.offset;
       d["address"] = e.address;
+      d["thread"] = e.thread;
       list.append(d);
     }
     py::dict out;
@@ -316,8 +333,9 @@ class Pool {
     uint64_t dropped = 0;
     std::vector<tfmg_trace_event> events = trace_events(&dropped);
     const auto n = static_cast<py::ssize_t>(events.size());
-    py::array_t<uint32_t> op(n), flags(n);
+    py::array_t<uint32_t> op(n), flags(n), thread(n);
     py::array_t<uint64_t> size(n), address(n), sequence(n);
+    auto t = thread.mutable_unchecked<1>();
     auto o = op.mutable_unchecked<1>();
     auto f = flags.mutable_unchecked<1>();
     auto z = size.mutable_unchecked<1>();
@@ -329,6 +347,7 @@ class Pool {
       z(i) = events[i].size;
       a(i) = events[i].address;
       q(i) = events[i].sequence;
+      t(i) = events[i].thread;
     }
     py::dict out;
     out["op"] = op;
@@ -336,6 +355,7 @@ class Pool {
     out["address"] = address;
     out["flags"] = flags;
     out["sequence"] = sequence;
+    out["thread"] = thread;
     out["dropped"] = dropped;
     return out;
   }
@@ -491,7 +511,10 @@ PYBIND11_MODULE(_core, m) {
            py::arg("small_threshold") = 0, py::arg("trace_capacity") = 0, py::arg("upstream") = "host",
            py::arg("device") = 0, py::arg("address_factor") = 0, py::arg("trim_above_peak") = py::none())
       .def("allocate", &Pool::allocate, py::arg("nbytes"), py::arg("alignment") = 0,
-           py::arg("must_succeed") = false, py::arg("batch") = false, py::arg("kind") = "other")
+           py::arg("must_succeed") = false, py::arg("batch") = false, py::arg("kind") = "other",
+           py::arg("wait") = false)
+      .def("set_wait", &Pool::set_wait, py::arg("seconds"))
+      .def_property_readonly("wait", &Pool::wait)
       .def("free", &Pool::free, py::arg("address"))
       .def("block_size", &Pool::block_size, py::arg("address"))
       .def("set_limit", &Pool::set_limit, py::arg("max_bytes"), py::arg("drain") = false)
@@ -589,10 +612,17 @@ PYBIND11_MODULE(_core, m) {
          py::array_t<uint32_t, py::array::c_style | py::array::forcecast> slots,
          py::array_t<uint32_t, py::array::c_style | py::array::forcecast> flags, uint64_t nslots,
          const py::object& max_bytes, const std::string& upstream, uint64_t alignment, uint64_t granule_bytes,
-         uint64_t address_factor, uint64_t small_threshold) {
+         uint64_t address_factor, uint64_t small_threshold, const py::object& threads) {
         if (sizes.ndim() != 1 || slots.ndim() != 1 || flags.ndim() != 1 || sizes.shape(0) != slots.shape(0) ||
             sizes.shape(0) != flags.shape(0)) {
           throw py::value_error("sizes, slots and flags must be 1-D arrays of one length");
+        }
+        py::array_t<uint32_t, py::array::c_style | py::array::forcecast> thread;
+        if (!threads.is_none()) {
+          thread = threads.cast<py::array_t<uint32_t, py::array::c_style | py::array::forcecast>>();
+          if (thread.ndim() != 1 || thread.shape(0) != sizes.shape(0)) {
+            throw py::value_error("threads must be a 1-D array as long as sizes");
+          }
         }
         tfmg_pool_options o;
         tfmg_pool_options_init(&o);
@@ -607,11 +637,15 @@ PYBIND11_MODULE(_core, m) {
         auto z = sizes.unchecked<1>();
         auto l = slots.unchecked<1>();
         auto f = flags.unchecked<1>();
-        for (std::size_t i = 0; i < ops.size(); ++i) ops[i] = tfmg_step_op{z(i), l(i), f(i)};
+        const bool waiting = !threads.is_none();
+        for (std::size_t i = 0; i < ops.size(); ++i) {
+          ops[i] = tfmg_step_op{z(i), l(i), f(i), waiting ? thread.at(i) : 0u, 0u};
+        }
         tfmg_step_result r{};
-        call([&] { return tfmg_replay_step(&o, ops.data(), ops.size(), nslots, &r); });
+        call([&] { return tfmg_replay_step(&o, ops.data(), ops.size(), nslots, waiting ? 1 : 0, &r); });
         py::dict d;
         d["fits"] = r.fits != 0;
+        d["waits"] = r.waits;
         d["failed_at"] = r.failed_at == UINT64_MAX ? py::object(py::none()) : py::int_(r.failed_at);
         d["peak_bytes_reserved"] = r.peak_bytes_reserved;
         d["peak_account"] = r.peak_account;
@@ -623,8 +657,9 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("sizes"), py::arg("slots"), py::arg("flags"), py::arg("nslots"), py::arg("max_bytes"),
       py::arg("upstream") = "host_lazy", py::arg("alignment") = 0, py::arg("granule_bytes") = 0,
-      py::arg("address_factor") = 0, py::arg("small_threshold") = 0,
-      "Replays a step (ops: allocations, and frees flagged STEP_FREE) through a fresh pool with that budget.");
+      py::arg("address_factor") = 0, py::arg("small_threshold") = 0, py::arg("threads") = py::none(),
+      "Replays a step (ops: allocations, and frees flagged STEP_FREE) through a fresh pool with that budget; "
+      "with `threads` (each op's thread), as a pool whose requests wait for frees serves them.");
   m.attr("STEP_FREE") = TFMG_STEP_FREE;
   m.attr("ALLOC_MUST_SUCCEED") = TFMG_ALLOC_MUST_SUCCEED;
   m.attr("ALLOC_BATCH") = TFMG_ALLOC_BATCH;

@@ -186,7 +186,9 @@ class pool_allocator final : public tsl::Allocator {
       // A dataset's scalar handle: tiny, and refusing it leaks the dataset (caller.h).
       return allocate(alignment, num_bytes, TFMG_ALLOC_MUST_SUCCEED | TFMG_ALLOC_KIND(TFMG_KIND_DATA));
     }
-    if (!who.onednn) return allocate(alignment, num_bytes, tag);  // refused, and recorded
+    // Waits for what the kernels running on other threads free (the pool's wait time,
+    // set by tf_memguard.install()), then is refused and recorded.
+    if (!who.onednn) return allocate(alignment, num_bytes, tag | TFMG_ALLOC_WAIT);
     p = allocate(alignment, num_bytes, TFMG_ALLOC_MUST_SUCCEED | tag);
     static std::atomic<bool> warned{false};
     if (p != nullptr && !warned.exchange(true)) {
@@ -210,7 +212,10 @@ class pool_allocator final : public tsl::Allocator {
     if (void* p = allocate(alignment, num_bytes, tag | TFMG_ALLOC_QUIET | kind)) return p;
     if (may_refuse && who.refusable) {
       // Recorded as a refusal this time (a block freed meanwhile may even let it through).
-      void* p = allocate(alignment, num_bytes, tag | kind);
+      // tf.data's batches are made beside the step and wait for what its kernels free;
+      // constants are made while a function is traced, with no other thread to free.
+      const uint32_t wait = who.kind == TFMG_KIND_DATA ? TFMG_ALLOC_WAIT : 0u;
+      void* p = allocate(alignment, num_bytes, tag | kind | wait);
       if (p == nullptr && who.kind == TFMG_KIND_CONSTANT) {
         static std::atomic<bool> warned{false};
         if (!warned.exchange(true)) {

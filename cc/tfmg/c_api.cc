@@ -180,6 +180,17 @@ tfmg_status tfmg_pool_set_limit_draining(tfmg_pool* p, uint64_t max_bytes) {
   return p->impl.set_limit(max_bytes, true, &e) ? TFMG_OK : fail(e);
 }
 
+tfmg_status tfmg_pool_set_wait(tfmg_pool* p, int64_t idle_ns) {
+  TFMG_EXPECT_POOL(p);
+  if (idle_ns < 0) {
+    return fail(TFMG_ERROR_INVALID_ARGUMENT, "idle_ns=" + std::to_string(idle_ns) + ": must be 0 (no waiting) or more");
+  }
+  p->impl.set_wait_ns(idle_ns);
+  return TFMG_OK;
+}
+
+int64_t tfmg_pool_wait(tfmg_pool* p) { return p == nullptr ? 0 : p->impl.wait_ns(); }
+
 tfmg_status tfmg_pool_get_stats(tfmg_pool* p, tfmg_stats* out) {
   TFMG_EXPECT_POOL(p);
   if (out == nullptr) return fail(TFMG_ERROR_INVALID_ARGUMENT, "out must not be null");

@@ -23,7 +23,7 @@ extern "C" {
 
 /* Bumped whenever a struct below or a function signature changes; the plugin and the
  * bindings refuse a core whose version differs from the header they were built with. */
-#define TFMG_ABI_VERSION 3  /* 3: nine kinds, in-use bytes by kind, TFMG_ALLOC_QUIET */
+#define TFMG_ABI_VERSION 4  /* 4: TFMG_ALLOC_WAIT, wait statistics, trace events' threads */
 
 typedef enum tfmg_status {
   TFMG_OK = 0,
@@ -60,6 +60,12 @@ typedef enum tfmg_status {
  * have such a first dimension too: the memory model counts the block as proportional to
  * the batch only where a step at another batch size confirms it. */
 #define TFMG_ALLOC_BATCH_ROWS 8u
+/* A request the budget cannot serve now waits for blocks other threads free, and is
+ * refused (recorded, as without the flag) only when no block was freed for the pool's
+ * wait time (tfmg_pool_set_wait; 0, the default: refused at once), or while a wait that
+ * gave up is recent (a step that does not fit: see cc/tfmg/free_wait.h). For callers that
+ * run beside other threads that free (TensorFlow's kernels); never with MUST_SUCCEED. */
+#define TFMG_ALLOC_WAIT 16u
 /* What asked for the memory, in bits 8-11 of the flags: TFMG_ALLOC_KIND(TFMG_KIND_...).
  * The pool keeps the bytes in use, and the overshoot, by kind: what holds the memory. */
 #define TFMG_ALLOC_KIND_SHIFT 8
@@ -163,6 +169,12 @@ typedef struct tfmg_stats {
    * (on CUDA each waits for the device), and the bytes unmapped then. */
   int64_t num_reclaims;
   int64_t bytes_reclaimed;
+  /* Requests with TFMG_ALLOC_WAIT that did not fit at first and waited for frees; of
+   * them, those served after waiting; the time those waited, in all; the longest. */
+  int64_t num_waits;
+  int64_t num_waits_served;
+  int64_t wait_ns;
+  int64_t longest_wait_ns;
   int64_t overshoots_by_kind[TFMG_NUM_KINDS];      /* cumulative, indexed by TFMG_KIND_* */
   int64_t overshoot_bytes_by_kind[TFMG_NUM_KINDS]; /* cumulative bytes granted over budget */
   int64_t bytes_in_use_by_kind[TFMG_NUM_KINDS];    /* of bytes_in_use, by what asked for it */
@@ -187,6 +199,7 @@ typedef struct tfmg_refusal {
   int64_t passthrough_bytes_in_use;/* of bytes_in_use, allocated before the budget */
   int32_t requested_batch;         /* 1 if the refused request was batch-tagged */
   int32_t kind;                    /* TFMG_KIND_* of the refused request */
+  int64_t waited_ns;               /* how long it waited for frees before it was refused */
   int64_t bytes_in_use_by_kind[TFMG_NUM_KINDS];     /* what held the memory then */
   int64_t overshoot_in_use_by_kind[TFMG_NUM_KINDS]; /* of it, granted over the budget */
 } tfmg_refusal;
@@ -206,7 +219,7 @@ typedef struct tfmg_trace_event {
   uint64_t offset;   /* offset of the block within its region */
   uint64_t address;
   uint32_t flags;    /* the request's TFMG_ALLOC_* flags (kind, batch tag, MUST_SUCCEED); frees: 0 */
-  uint32_t reserved;
+  uint32_t thread;   /* which thread: 0, 1, ... in the order threads first made an event */
 } tfmg_trace_event;
 
 typedef struct tfmg_pool tfmg_pool;
@@ -252,6 +265,10 @@ TFMG_API tfmg_status tfmg_pool_set_limit(tfmg_pool* pool, uint64_t max_bytes);
  * the upstream when their last block is freed; until then bytes_reserved counts them,
  * the budget does not. For putting a budget back after it was raised for a while. */
 TFMG_API tfmg_status tfmg_pool_set_limit_draining(tfmg_pool* pool, uint64_t max_bytes);
+/* How long a request with TFMG_ALLOC_WAIT that does not fit waits without any block
+ * freed before it is refused, in nanoseconds (0: refused at once, the default). Thread-safe. */
+TFMG_API tfmg_status tfmg_pool_set_wait(tfmg_pool* pool, int64_t idle_ns);
+TFMG_API int64_t tfmg_pool_wait(tfmg_pool* pool);
 
 TFMG_API tfmg_status tfmg_pool_get_stats(tfmg_pool* pool, tfmg_stats* out);
 /* As TensorFlow's ClearStats: num_allocs and largest_alloc_size to 0, the peaks to the
@@ -367,17 +384,20 @@ typedef struct tfmg_replay_result {
 
 /* A training step for tfmg_replay_step: an allocation of `size` with `flags` (its
  * request's TFMG_ALLOC_* flags: MUST_SUCCEED requests become overshoot where they do not
- * fit) stored in slots[slot], or, with TFMG_STEP_FREE in flags, a free of slots[slot]. */
+ * fit) stored in slots[slot], or, with TFMG_STEP_FREE in flags, a free of slots[slot];
+ * made by `thread` (tfmg_trace_event's). */
 #define TFMG_STEP_FREE (1u << 31)
 typedef struct tfmg_step_op {
   uint64_t size;
   uint32_t slot;
   uint32_t flags;
+  uint32_t thread;
+  uint32_t unused;
 } tfmg_step_op;
 
 typedef struct tfmg_step_result {
-  int32_t fits;                /* 1 when no request that can be refused was */
-  int32_t reserved;
+  int32_t fits;                /* 1 when no request that can be refused was (waiting: all were served) */
+  int32_t waits;               /* waiting: how many times a thread stopped to wait */
   uint64_t failed_at;          /* index of the first refused op, UINT64_MAX if none */
   int64_t peak_bytes_reserved; /* the most the budget held (bytes backed, where on demand) */
   int64_t peak_account;        /* the most pooled bytes in use plus overshoot */
@@ -390,10 +410,17 @@ typedef struct tfmg_step_result {
 
 /* Replays ops (a step, the blocks live at its start first) through a fresh pool made
  * with `options` (its max_bytes the budget asked about), the pool's own placement and
- * backing code, and stops at the first refusal. The upstream should back on demand
- * (host_lazy: bookkeeping only, no memory is touched) or be plain host memory. */
+ * backing code. The upstream should back on demand (host_lazy: bookkeeping only, no
+ * memory is touched) or be plain host memory.
+ * waiting 0: in the order given, stopping at the first refusal.
+ * waiting 1: as a pool whose requests wait for frees (TFMG_ALLOC_WAIT) serves threads that
+ * run side by side: a thread whose request does not fit stops there (its later ops wait
+ * behind it) while the other threads' ops go on, and it goes on once a free makes room;
+ * a thread that frees a block whose allocation still waits stops too (it needs that
+ * block). The step fits when every op was applied; it does not when every thread left
+ * is stopped (failed_at: the earliest op still waiting). */
 TFMG_API tfmg_status tfmg_replay_step(const tfmg_pool_options* options, const tfmg_step_op* ops, uint64_t count,
-                                      uint64_t slots, tfmg_step_result* result);
+                                      uint64_t slots, int waiting, tfmg_step_result* result);
 
 TFMG_API tfmg_status tfmg_replay_pool(tfmg_pool* pool, const tfmg_replay_op* ops, uint64_t count,
                                       uint64_t slots, tfmg_replay_result* result);

@@ -173,8 +173,36 @@ pool::~pool() { release_all(); }
 // ---------------------------------------------------------------------------------
 // Allocation
 
-void* pool::allocate(std::size_t bytes, std::size_t alignment, unsigned flags,
-                     pool_error* error) {
+namespace {
+// How long the request being refused on this thread waited for frees (refuse_locked puts
+// it in the refusal's record and message).
+thread_local std::int64_t t_waited_ns = 0;
+}  // namespace
+
+void* pool::allocate_waiting(std::size_t bytes, std::size_t alignment, unsigned flags,
+                             pool_error* error) {
+  const unsigned quiet = flags | TFMG_ALLOC_QUIET;
+  void* p = allocate_now(bytes, alignment, quiet, error);
+  if (p != nullptr || error->status != TFMG_ERROR_OUT_OF_MEMORY || (flags & TFMG_ALLOC_MUST_SUCCEED)) {
+    return p;
+  }
+  std::int64_t waited = 0;
+  p = waiter_.wait(
+      [&] {
+        pool_error e{};
+        return allocate_now(bytes, alignment, quiet, &e);
+      },
+      &waited);
+  if (p != nullptr) return p;
+  // Refused (recorded, with how long it waited), unless a free came just now.
+  t_waited_ns = waited;
+  p = allocate_now(bytes, alignment, flags, error);
+  t_waited_ns = 0;
+  return p;
+}
+
+void* pool::allocate_now(std::size_t bytes, std::size_t alignment, unsigned flags,
+                         pool_error* error) {
   if (alignment == 0) alignment = granule_;
   if (!is_pow2(alignment) || alignment > kMaxAlignment) {
     error->status = TFMG_ERROR_INVALID_ARGUMENT;
@@ -701,14 +729,21 @@ void pool::refuse_locked(std::size_t bytes, std::size_t alignment, unsigned flag
   last_refusal_.passthrough_bytes_in_use = static_cast<std::int64_t>(passthrough_in_use_);
   last_refusal_.requested_batch = (flags & TFMG_ALLOC_BATCH) != 0 ? 1 : 0;
   last_refusal_.kind = static_cast<std::int32_t>(kind_of(flags));
+  last_refusal_.waited_ns = t_waited_ns;
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
     last_refusal_.bytes_in_use_by_kind[k] = static_cast<std::int64_t>(in_use_by_kind_[k]);
     last_refusal_.overshoot_in_use_by_kind[k] = static_cast<std::int64_t>(overshoot_in_use_by_kind_[k]);
   }
   if (trace_.enabled()) trace_.record(TFMG_TRACE_REFUSE, -1, bytes, 0, 0, flags);
   error->status = TFMG_ERROR_OUT_OF_MEMORY;
+  std::string waited;
+  if (t_waited_ns > 0) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, " (it waited %.2f s for blocks other threads free)", t_waited_ns / 1e9);
+    waited = buf;
+  }
   error->message = "cannot allocate " + format_bytes(bytes) + " (" + std::to_string(bytes) +
-                   " bytes): " + state_locked() +
+                   " bytes): " + state_locked() + waited +
                    ". Free memory, make the request smaller, or raise the budget.";
 }
 
@@ -720,8 +755,17 @@ bool pool::deallocate(void* p, std::size_t* size_out, pool_error* error) {
     if (size_out != nullptr) *size_out = 0;
     return true;
   }
+  bool freed;
+  {
+    std::lock_guard<pool_lock> lock(mutex_);
+    freed = deallocate_locked(p, size_out, error);
+  }
+  if (freed) waiter_.notify();  // one relaxed load unless a request waits
+  return freed;
+}
+
+bool pool::deallocate_locked(void* p, std::size_t* size_out, pool_error* error) {
   const auto addr = reinterpret_cast<std::uintptr_t>(p);
-  std::lock_guard<pool_lock> lock(mutex_);
   if (block* b = live_.erase(addr)) {
     pooled_in_use_ -= b->size;
     note_free_locked(b->size, b->batch, b->kind);
@@ -831,7 +875,16 @@ bool pool::block_size(const void* p, std::size_t* out) const {
 // Budget, regions, statistics
 
 bool pool::set_limit(std::size_t max_bytes, bool drain, pool_error* error) {
-  std::lock_guard<pool_lock> lock(mutex_);
+  bool set;
+  {
+    std::lock_guard<pool_lock> lock(mutex_);
+    set = set_limit_locked(max_bytes, drain, error);
+  }
+  if (set) waiter_.notify();  // a higher budget can serve a waiting request
+  return set;
+}
+
+bool pool::set_limit_locked(std::size_t max_bytes, bool drain, pool_error* error) {
   if (max_bytes == 0) {
     error->status = TFMG_ERROR_INVALID_ARGUMENT;
     error->message = "max_bytes=0: a budget must be a positive number of bytes";
@@ -1066,6 +1119,11 @@ void pool::fill_stats_locked(tfmg_stats* s) const {
   s->window_tight_in_use_bytes = static_cast<std::int64_t>(window_tight_in_use_);
   s->num_reclaims = num_reclaims_;
   s->bytes_reclaimed = bytes_reclaimed_;
+  const free_waiter::counters w = waiter_.stats();
+  s->num_waits = w.waits;
+  s->num_waits_served = w.served;
+  s->wait_ns = w.wait_ns;
+  s->longest_wait_ns = w.longest_ns;
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
     s->overshoots_by_kind[k] = overshoots_by_kind_[k];
     s->overshoot_bytes_by_kind[k] = overshoot_bytes_by_kind_[k];
@@ -1091,6 +1149,7 @@ void pool::clear_stats() {
   num_allocs_ = 0;
   largest_alloc_ = 0;
   peak_in_use_ = in_use;  // the window peak and peak_bytes_reserved stay, as in TF
+  waiter_.clear_stats();
 }
 
 void pool::reset_peak() {

@@ -68,6 +68,7 @@
 
 #include "cc/tfmg/c_api.h"
 #include "cc/tfmg/addr_map.h"
+#include "cc/tfmg/free_wait.h"
 #include "cc/tfmg/lock.h"
 #include "cc/tfmg/node_allocator.h"
 #include "cc/tfmg/trace.h"
@@ -107,8 +108,15 @@ class pool {
   pool(const pool&) = delete;
   pool& operator=(const pool&) = delete;
 
-  // Returns nullptr with *error set on failure (never throws on the hot path).
-  void* allocate(std::size_t bytes, std::size_t alignment, unsigned flags, pool_error* error);
+  // Returns nullptr with *error set on failure (never throws on the hot path). With
+  // TFMG_ALLOC_WAIT, a request that does not fit waits for frees first (free_wait.h).
+  void* allocate(std::size_t bytes, std::size_t alignment, unsigned flags, pool_error* error) {
+    if (flags & TFMG_ALLOC_WAIT) return allocate_waiting(bytes, alignment, flags & ~TFMG_ALLOC_WAIT, error);
+    return allocate_now(bytes, alignment, flags, error);
+  }
+  // How long a waiting request waits without a free before it is refused (0: never waits).
+  void set_wait_ns(std::int64_t idle_ns) { waiter_.set_idle_ns(idle_ns); }
+  std::int64_t wait_ns() const { return waiter_.idle_ns(); }
   // Returns false with *error set for unknown pointers and double frees.
   bool deallocate(void* p, std::size_t* size_out, pool_error* error);
   bool block_size(const void* p, std::size_t* out) const;
@@ -142,6 +150,10 @@ class pool {
  private:
   struct region;
   struct block;
+  void* allocate_now(std::size_t bytes, std::size_t alignment, unsigned flags, pool_error* error);
+  void* allocate_waiting(std::size_t bytes, std::size_t alignment, unsigned flags, pool_error* error);
+  bool deallocate_locked(void* p, std::size_t* size_out, pool_error* error);
+  bool set_limit_locked(std::size_t max_bytes, bool drain, pool_error* error);
   // The tree key holds size and address itself, so a search touches only tree nodes,
   // never the blocks (half the cache misses of a tree of block pointers).
   struct free_key {
@@ -370,6 +382,7 @@ class pool {
   tfmg_refusal last_refusal_{};
 
   trace_recorder trace_;
+  free_waiter waiter_;  // its own atomics: used outside mutex_
 };
 
 // "1.25 GiB", "512 B": sizes as the user should read them.

@@ -6,6 +6,7 @@
 #ifndef TFMG_TRACE_H_
 #define TFMG_TRACE_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -13,6 +14,14 @@
 #include "cc/tfmg/c_api.h"
 
 namespace tfmg {
+
+// A small number per thread, 0, 1, ... in the order threads first ask: which thread made
+// an event, for replays that let each thread's requests wait on their own.
+inline std::uint32_t thread_index() {
+  static std::atomic<std::uint32_t> next{0};
+  thread_local const std::uint32_t index = next.fetch_add(1, std::memory_order_relaxed);
+  return index;
+}
 
 class trace_recorder {
  public:
@@ -24,7 +33,7 @@ class trace_recorder {
               std::uint64_t address, std::uint32_t flags = 0) {
     if (capacity_ == 0) return;
     tfmg_trace_event e{sequence_++, static_cast<std::uint32_t>(op), region, size, offset,
-                       address, flags, 0};
+                       address, flags & ~(TFMG_ALLOC_QUIET | TFMG_ALLOC_WAIT), thread_index()};
     if (events_.size() < capacity_) {
       events_.push_back(e);
     } else {

@@ -1,6 +1,7 @@
 // C++ tests of the core through its C interface; built plain and under
 // AddressSanitizer + UndefinedBehaviorSanitizer (see CMakeLists.txt and .ci/run).
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -852,6 +853,219 @@ void test_a_quiet_probe_that_does_not_fit_records_nothing() {
   CHECK_OK(tfmg_pool_destroy(p, 0));
 }
 
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// A request that does not fit, with TFMG_ALLOC_WAIT, is served once another thread frees
+// what it needs; without the flag, or with no wait set, it is refused at once.
+void test_a_waiting_request_is_served_when_another_thread_frees() {
+  tfmg_pool* p = make_pool(4 * MiB);
+  void* held = alloc(p, 3 * MiB);
+  CHECK(held != nullptr);
+  CHECK(alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT) == nullptr);  // no wait set: refused at once
+  CHECK(stats(p).num_waits == 0 && stats(p).num_refusals == 1);
+  CHECK_OK(tfmg_pool_set_wait(p, 5000 * int64_t{1000000}));
+  CHECK(tfmg_pool_wait(p) == 5000 * int64_t{1000000});
+  std::thread freer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    CHECK_OK(tfmg_pool_deallocate(p, held, nullptr));
+  });
+  const int64_t t0 = now_ms();
+  void* got = alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT);
+  const int64_t took = now_ms() - t0;
+  freer.join();
+  CHECK(got != nullptr);
+  CHECK(took >= 40 && took < 4000);
+  tfmg_stats s = stats(p);
+  CHECK(s.num_waits == 1 && s.num_waits_served == 1);
+  CHECK(s.longest_wait_ns >= 40 * MiB / MiB * 1000000 && s.wait_ns == s.longest_wait_ns);
+  CHECK(s.num_refusals == 1);  // the served wait is no refusal
+  CHECK(valid(p));
+  CHECK_OK(tfmg_pool_deallocate(p, got, nullptr));
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
+// With nothing freed for the wait time the request is refused, recorded with how long it
+// waited; a request that does not fit right after is refused at once (the step is
+// failing), and once none was refused for the wait time, requests wait again.
+void test_a_wait_gives_up_without_frees_and_the_failing_step_is_not_waited_for() {
+  tfmg_pool* p = make_pool(4 * MiB);
+  void* held = alloc(p, 3 * MiB);
+  CHECK_OK(tfmg_pool_set_wait(p, 100 * int64_t{1000000}));
+  int64_t t0 = now_ms();
+  CHECK(alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT) == nullptr);
+  int64_t took = now_ms() - t0;
+  CHECK(took >= 90 && took < 2000);
+  tfmg_refusal r;
+  CHECK_OK(tfmg_pool_last_refusal(p, &r));
+  CHECK(r.waited_ns >= 90 * int64_t{1000000} && r.requested_bytes == 2 * MiB);
+  CHECK(std::string(tfmg_last_error()).find("waited 0.1") != std::string::npos);
+  t0 = now_ms();
+  CHECK(alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT) == nullptr);  // at once
+  took = now_ms() - t0;
+  CHECK(took < 50);
+  CHECK_OK(tfmg_pool_last_refusal(p, &r));
+  CHECK(r.waited_ns == 0);
+  CHECK(stats(p).num_waits == 1 && stats(p).num_refusals == 2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  t0 = now_ms();
+  CHECK(alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT) == nullptr);  // waits again
+  CHECK(now_ms() - t0 >= 90);
+  CHECK(stats(p).num_waits == 2 && stats(p).num_waits_served == 0);
+  // Frees that do not make room keep the wait going: each one restarts its clock.
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  std::atomic<bool> stop{false};
+  std::thread churn([&] {
+    while (!stop.load()) {
+      void* q = alloc(p, 64 << 10);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      tfmg_pool_deallocate(p, q, nullptr);
+    }
+  });
+  std::thread freer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    tfmg_pool_deallocate(p, held, nullptr);
+  });
+  t0 = now_ms();
+  void* got = alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT);
+  took = now_ms() - t0;
+  freer.join();
+  stop = true;
+  churn.join();
+  CHECK(got != nullptr && took >= 250);
+  CHECK(valid(p));
+  tfmg_pool_deallocate(p, got, nullptr);
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
+// Raising the budget serves a waiting request; a waiting request is never served over the
+// budget, and MUST_SUCCEED requests never wait.
+void test_raising_the_budget_serves_a_waiting_request() {
+  tfmg_pool* p = make_pool(4 * MiB);
+  void* held = alloc(p, 3 * MiB);
+  CHECK_OK(tfmg_pool_set_wait(p, 5000 * int64_t{1000000}));
+  std::thread raiser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    CHECK_OK(tfmg_pool_set_limit(p, 8 * MiB));
+  });
+  void* got = alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT);
+  raiser.join();
+  CHECK(got != nullptr);
+  CHECK(stats(p).bytes_reserved <= 8 * MiB);
+  const int64_t t0 = now_ms();
+  void* over = alloc_flags(p, 16 * MiB, TFMG_ALLOC_WAIT | TFMG_ALLOC_MUST_SUCCEED);
+  CHECK(over != nullptr && now_ms() - t0 < 1000 && stats(p).num_overshoots == 1);
+  CHECK(stats(p).num_waits == 1);
+  CHECK_OK(tfmg_pool_set_wait(p, 0));
+  CHECK(tfmg_pool_set_wait(p, -1) == TFMG_ERROR_INVALID_ARGUMENT);
+  for (void* q : {held, got, over}) CHECK_OK(tfmg_pool_deallocate(p, q, nullptr));
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
+// Many threads that each hold blocks and wait for more near the budget: every request is
+// served or refused, the budget holds, the pool stays valid (ThreadSanitizer runs it too).
+void test_threads_waiting_near_the_budget_keep_the_pool_valid() {
+  tfmg_pool* p = make_pool(16 * MiB);
+  CHECK_OK(tfmg_pool_set_wait(p, 20 * int64_t{1000000}));
+  std::atomic<int> served{0}, refused{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(t);
+      for (int i = 0; i < 200; ++i) {
+        void* a = alloc_flags(p, (1 + rng() % 3) * MiB, TFMG_ALLOC_WAIT);
+        void* b = a != nullptr ? alloc_flags(p, (1 + rng() % 2) * MiB, TFMG_ALLOC_WAIT) : nullptr;
+        ((a != nullptr) ? served : refused)++;
+        if (a != nullptr) ((b != nullptr) ? served : refused)++;
+        if (b != nullptr) tfmg_pool_deallocate(p, b, nullptr);
+        if (a != nullptr) tfmg_pool_deallocate(p, a, nullptr);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  tfmg_stats s = stats(p);
+  CHECK(served.load() > 0);
+  CHECK(s.peak_bytes_reserved <= 16 * MiB && s.bytes_in_use == 0);
+  CHECK(s.num_refusals == refused.load());
+  CHECK(s.num_waits_served <= s.num_waits);
+  CHECK(valid(p));
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
+// Each trace event names the thread that made it: 0, 1, ... by first use.
+void test_trace_events_name_their_thread() {
+  tfmg_pool* p = make_pool(4 * MiB, 0, 16);
+  void* a = alloc(p, 100);
+  void* b = nullptr;
+  std::thread other([&] { b = alloc(p, 200); });
+  other.join();
+  tfmg_pool_deallocate(p, a, nullptr);
+  tfmg_pool_deallocate(p, b, nullptr);
+  tfmg_trace_event ev[8];
+  uint64_t n = 0;
+  CHECK_OK(tfmg_pool_trace(p, ev, 8, &n, nullptr));
+  CHECK(n == 4);
+  CHECK(ev[0].thread == ev[2].thread && ev[2].thread == ev[3].thread && ev[0].thread != ev[1].thread);
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
+tfmg_step_result replay_threads(const std::vector<tfmg_step_op>& ops, uint64_t budget, int waiting) {
+  tfmg_pool_options o;
+  tfmg_pool_options_init(&o);
+  o.max_bytes = budget;
+  o.upstream = TFMG_UPSTREAM_HOST_LAZY;
+  tfmg_step_result r{};
+  uint64_t slots = 0;
+  for (const auto& op : ops) slots = std::max<uint64_t>(slots, op.slot + 1);
+  CHECK_OK(tfmg_replay_step(&o, ops.data(), ops.size(), slots, waiting, &r));
+  return r;
+}
+
+tfmg_step_op step_alloc(uint32_t slot, uint64_t size, uint32_t thread) { return {size, slot, 0u, thread, 0u}; }
+tfmg_step_op step_free(uint32_t slot, uint32_t thread) { return {0, slot, TFMG_STEP_FREE, thread, 0u}; }
+
+// A replay that waits as the pool's waiting requests do: a thread whose request does not
+// fit goes on after another thread's free; threads that all wait do not fit; a thread
+// that frees a block still waiting to be allocated waits for it.
+void test_a_waiting_replay_lets_each_thread_wait_for_the_others_frees() {
+  // Thread 1's 6 MiB fits only after thread 0 frees its 6 MiB.
+  const std::vector<tfmg_step_op> serial = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1),
+                                            step_free(0, 0), step_free(1, 1)};
+  tfmg_step_result in_order = replay_threads(serial, 10 * MiB, 0);
+  CHECK(in_order.fits == 0 && in_order.failed_at == 1);
+  tfmg_step_result waited = replay_threads(serial, 10 * MiB, 1);
+  CHECK(waited.fits == 1 && waited.waits == 1 && waited.failed_at == UINT64_MAX);
+  CHECK(waited.peak_account <= 10 * MiB && waited.peak_account >= 6 * MiB);
+  // With room for both, nothing waits, and both replays agree.
+  tfmg_step_result roomy = replay_threads(serial, 16 * MiB, 1);
+  CHECK(roomy.fits == 1 && roomy.waits == 0 && roomy.peak_account == replay_threads(serial, 16 * MiB, 0).peak_account);
+  // Both threads wait on each other: it does not fit; the first op still waiting is named.
+  const std::vector<tfmg_step_op> stuck = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1),
+                                           step_alloc(2, 6 * MiB, 0), step_free(0, 0), step_free(1, 1),
+                                           step_free(2, 0)};
+  tfmg_step_result deadlock = replay_threads(stuck, 10 * MiB, 1);
+  CHECK(deadlock.fits == 0 && deadlock.failed_at == 1);
+  // Thread 0 frees the block thread 1 waits to allocate before it frees its own: thread 0
+  // waits for it, and nothing can go on.
+  const std::vector<tfmg_step_op> needs = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1),
+                                           step_free(1, 0), step_free(0, 0)};
+  CHECK(replay_threads(needs, 10 * MiB, 1).fits == 0);
+  // A thread's later ops wait behind its stopped request, in order.
+  const std::vector<tfmg_step_op> behind = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1),
+                                            step_alloc(2, 1 * MiB, 1), step_free(0, 0), step_free(2, 1),
+                                            step_free(1, 1)};
+  tfmg_step_result b = replay_threads(behind, 10 * MiB, 1);
+  CHECK(b.fits == 1 && b.waits == 1 && b.peak_account <= 7 * MiB + MiB / 8);
+  // Out-of-range slots are refused.
+  tfmg_pool_options o;
+  tfmg_pool_options_init(&o);
+  o.max_bytes = 10 * MiB;
+  tfmg_step_result r{};
+  CHECK(tfmg_replay_step(&o, serial.data(), serial.size(), 1, 1, &r) == TFMG_ERROR_INVALID_ARGUMENT);
+}
+
 // Backed on demand, lowering the budget gives back the granules inside free blocks, and
 // is refused only when what stays backed under blocks in use does not fit (issue: 128 MiB
 // live under 1 GiB was refused a 200 MiB budget, "128 MiB is backed under blocks in use").
@@ -1016,6 +1230,15 @@ int main() {
       {"a_budget_above_the_address_space_is_refused", test_a_budget_above_the_address_space_is_refused},
       {"threads_read_allocate_and_change_the_budget_of_a_pool_backed_on_demand",
        test_threads_read_allocate_and_change_the_budget_of_a_pool_backed_on_demand},
+      {"a_waiting_request_is_served_when_another_thread_frees",
+       test_a_waiting_request_is_served_when_another_thread_frees},
+      {"a_wait_gives_up_without_frees_and_the_failing_step_is_not_waited_for",
+       test_a_wait_gives_up_without_frees_and_the_failing_step_is_not_waited_for},
+      {"raising_the_budget_serves_a_waiting_request", test_raising_the_budget_serves_a_waiting_request},
+      {"threads_waiting_near_the_budget_keep_the_pool_valid", test_threads_waiting_near_the_budget_keep_the_pool_valid},
+      {"trace_events_name_their_thread", test_trace_events_name_their_thread},
+      {"a_waiting_replay_lets_each_thread_wait_for_the_others_frees",
+       test_a_waiting_replay_lets_each_thread_wait_for_the_others_frees},
   };
   int passed = 0, failed = 0;
   for (const test& t : tests) {
