@@ -1011,61 +1011,6 @@ void test_trace_events_name_their_thread() {
   CHECK_OK(tfmg_pool_destroy(p, 0));
 }
 
-tfmg_step_result replay_threads(const std::vector<tfmg_step_op>& ops, uint64_t budget, int waiting) {
-  tfmg_pool_options o;
-  tfmg_pool_options_init(&o);
-  o.max_bytes = budget;
-  o.upstream = TFMG_UPSTREAM_HOST_LAZY;
-  tfmg_step_result r{};
-  uint64_t slots = 0;
-  for (const auto& op : ops) slots = std::max<uint64_t>(slots, op.slot + 1);
-  CHECK_OK(tfmg_replay_step(&o, ops.data(), ops.size(), slots, waiting, &r));
-  return r;
-}
-
-tfmg_step_op step_alloc(uint32_t slot, uint64_t size, uint32_t thread) { return {size, slot, 0u, thread, 0u}; }
-tfmg_step_op step_free(uint32_t slot, uint32_t thread) { return {0, slot, TFMG_STEP_FREE, thread, 0u}; }
-
-// A replay that waits as the pool's waiting requests do: a thread whose request does not
-// fit goes on after another thread's free; threads that all wait do not fit; a thread
-// that frees a block still waiting to be allocated waits for it.
-void test_a_waiting_replay_lets_each_thread_wait_for_the_others_frees() {
-  // Thread 1's 6 MiB fits only after thread 0 frees its 6 MiB.
-  const std::vector<tfmg_step_op> serial = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1),
-                                            step_free(0, 0), step_free(1, 1)};
-  tfmg_step_result in_order = replay_threads(serial, 10 * MiB, 0);
-  CHECK(in_order.fits == 0 && in_order.failed_at == 1);
-  tfmg_step_result waited = replay_threads(serial, 10 * MiB, 1);
-  CHECK(waited.fits == 1 && waited.waits == 1 && waited.failed_at == UINT64_MAX);
-  CHECK(waited.peak_account <= 10 * MiB && waited.peak_account >= 6 * MiB);
-  // With room for both, nothing waits, and both replays agree.
-  tfmg_step_result roomy = replay_threads(serial, 16 * MiB, 1);
-  CHECK(roomy.fits == 1 && roomy.waits == 0 && roomy.peak_account == replay_threads(serial, 16 * MiB, 0).peak_account);
-  // Both threads wait on each other: it does not fit; the first op still waiting is named.
-  const std::vector<tfmg_step_op> stuck = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1),
-                                           step_alloc(2, 6 * MiB, 0), step_free(0, 0), step_free(1, 1),
-                                           step_free(2, 0)};
-  tfmg_step_result deadlock = replay_threads(stuck, 10 * MiB, 1);
-  CHECK(deadlock.fits == 0 && deadlock.failed_at == 1);
-  // Thread 0 frees the block thread 1 waits to allocate before it frees its own: thread 0
-  // waits for it, and nothing can go on.
-  const std::vector<tfmg_step_op> needs = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1),
-                                           step_free(1, 0), step_free(0, 0)};
-  CHECK(replay_threads(needs, 10 * MiB, 1).fits == 0);
-  // A thread's later ops wait behind its stopped request, in order.
-  const std::vector<tfmg_step_op> behind = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1),
-                                            step_alloc(2, 1 * MiB, 1), step_free(0, 0), step_free(2, 1),
-                                            step_free(1, 1)};
-  tfmg_step_result b = replay_threads(behind, 10 * MiB, 1);
-  CHECK(b.fits == 1 && b.waits == 1 && b.peak_account <= 7 * MiB + MiB / 8);
-  // Out-of-range slots are refused.
-  tfmg_pool_options o;
-  tfmg_pool_options_init(&o);
-  o.max_bytes = 10 * MiB;
-  tfmg_step_result r{};
-  CHECK(tfmg_replay_step(&o, serial.data(), serial.size(), 1, 1, &r) == TFMG_ERROR_INVALID_ARGUMENT);
-}
-
 // Backed on demand, lowering the budget gives back the granules inside free blocks, and
 // is refused only when what stays backed under blocks in use does not fit (issue: 128 MiB
 // live under 1 GiB was refused a 200 MiB budget, "128 MiB is backed under blocks in use").
@@ -1237,8 +1182,6 @@ int main() {
       {"raising_the_budget_serves_a_waiting_request", test_raising_the_budget_serves_a_waiting_request},
       {"threads_waiting_near_the_budget_keep_the_pool_valid", test_threads_waiting_near_the_budget_keep_the_pool_valid},
       {"trace_events_name_their_thread", test_trace_events_name_their_thread},
-      {"a_waiting_replay_lets_each_thread_wait_for_the_others_frees",
-       test_a_waiting_replay_lets_each_thread_wait_for_the_others_frees},
   };
   int passed = 0, failed = 0;
   for (const test& t : tests) {
