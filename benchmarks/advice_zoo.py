@@ -18,6 +18,7 @@ earlier run, which do not depend on the advice) five per row.
 
     python benchmarks/advice_zoo.py [--models resnet,gru] [--out benchmarks/results/advice_zoo.json]
                                     [--limits benchmarks/results/advice_zoo.json] [--limits-only]
+                                    [--limits-without-waits FILE]
 """
 import argparse
 import json
@@ -160,9 +161,10 @@ def divisor_batch(n, limit):
     return b
 
 
-def evaluate(name, budget, known=None, limit_only=False):
+def evaluate(name, budget, known=None, limit_only=False, nowait=None):
     """The row of model `name`; `known`: its limit from an earlier run (no bisection);
-    `limit_only`: the limit alone (its bisection's runs kept)."""
+    `limit_only`: the limit alone (its bisection's runs kept); `nowait`: its limit with
+    install(wait=0), from an earlier run, for the ratios against it too."""
     t0 = time.time()
     trials = Trials(name, budget)
     if known:
@@ -200,6 +202,14 @@ def evaluate(name, budget, known=None, limit_only=False):
     }
     if known:
         row["limit_from"] = "an earlier run's bisection (--limits)"
+    if nowait:
+        # The memory model is of the step as it runs without waits: its answers against
+        # the largest size that trains with install(wait=0) too (NOTES, "Waiting for frees").
+        row["limit_without_waits"] = nowait
+        for key in ("suggested", "after_oom_suggested", "find_batch_size", "divisor_suggested"):
+            name_ = {"suggested": "suggested", "after_oom_suggested": "after_oom",
+                     "find_batch_size": "find", "divisor_suggested": "divisor"}[key]
+            row[f"{name_}_over_limit_without_waits"] = round(row[key] / nowait, 3) if row.get(key) else None
     return row
 
 
@@ -216,6 +226,14 @@ def table(rows):
                      f"{str(r['find_trained']):>8}{str(r.get('divisor_run_batch')):>7}"
                      f"{str(r.get('divisor_suggested')):>7}{str(r.get('divisor_over_limit')):>7}"
                      f"{str(r.get('divisor_suggested_trains_2_of_2')):>8}")
+    if any(r.get("limit_without_waits") for r in rows):
+        lines.append("")
+        lines.append(f"{'against the limit without waits':<34}{'limit':>7}{'advice':>8}{'OOM->':>8}{'find':>8}{'at 2^k':>8}")
+        for r in rows:
+            if r.get("limit_without_waits"):
+                lines.append(f"{r['model']:<34}{r['limit_without_waits']:>7}"
+                             + "".join(f"{str(r.get(k + '_over_limit_without_waits')):>8}"
+                                       for k in ("suggested", "after_oom", "find", "divisor")))
     ratios = [r["suggested_over_limit"] for r in rows if r["suggested_over_limit"]]
     if ratios:
         lines.append(f"advice/limit: min {min(ratios):.3f}, median {statistics.median(ratios):.3f}; "
@@ -233,16 +251,22 @@ def main(argv=None):
     ap.add_argument("--limits", default=None,
                     help="a JSON written by this script: take each model's limit from it instead of bisecting "
                          "(the limit depends on the model and the pool, not on the advice)")
+    ap.add_argument("--limits-without-waits", default=None,
+                    help="a JSON written by this script with limits measured under install(wait=0) (or before "
+                         "requests waited): each answer's ratio to that limit too")
     ap.add_argument("--limits-only", action="store_true",
                     help="bisect each model's limit and stop there (rows of model, budget and limit, for --limits)")
     args = ap.parse_args(argv)
-    known = {}
+    known, nowait = {}, {}
     if args.limits:
         with open(args.limits) as f:
             known = {r["model"]: r["limit"] for r in json.load(f)["rows"]}
+    if args.limits_without_waits:
+        with open(args.limits_without_waits) as f:
+            nowait = {r["model"]: r["limit"] for r in json.load(f)["rows"]}
     rows = []
     for name in args.models.split(","):
-        row = evaluate(name, BUDGETS[name], known.get(name), limit_only=args.limits_only)
+        row = evaluate(name, BUDGETS[name], known.get(name), limit_only=args.limits_only, nowait=nowait.get(name))
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:

@@ -32,6 +32,9 @@ class Report:
         steps: (global step, step peak bytes, bytes in use after the step), per step.
         peak_bytes: the run's peak of bytes in use.
         allocs, refusals: counts over the run.
+        waits, waits_served, wait_seconds: kernels' requests over the run that did not fit
+            at first and waited for blocks other threads freed (install()'s `wait`); of
+            them, those served then; the time those waited, in all.
         overshoot_bytes_by_kind: bytes granted over the budget during the run, by kind.
         batch_size: the batch size the run used, if known.
         suggested_batch_size: the largest batch size that fits the budget by the run's
@@ -71,6 +74,9 @@ class Report:
     peak_bytes: int = 0
     allocs: int = 0
     refusals: int = 0
+    waits: int = 0
+    waits_served: int = 0
+    wait_seconds: float = 0.0
     overshoot_bytes_by_kind: dict = dataclasses.field(default_factory=dict)
     batch_size: int = None
     suggested_batch_size: int = None
@@ -148,6 +154,10 @@ class Report:
         else:
             lines.append(f"peak {format_bytes(self.peak_bytes)}{pct}; {self.allocs} allocations, "
                          f"{self.refusals} refused")
+        if self.waits:
+            lines.append(f"requests that waited for blocks other threads freed: {self.waits} "
+                         f"({self.waits_served} served then, {self.wait_seconds:.2f} s in all); steps that wait "
+                         "run their kernels one after the other, more slowly")
         over = {k: v for k, v in self.overshoot_bytes_by_kind.items() if v}
         if over:
             lines.append("granted over the budget (requests that cannot be refused): " +
@@ -288,6 +298,9 @@ def from_run(device, pool, start, monitor, batch_size, suggestion, oom, model, s
         device=device, budget_bytes=start["bytes_limit"], predating_bytes=cfg.predating_bytes if cfg else 0,
         epochs=list(monitor.records), steps=[t[:4] for t in monitor.steps], peak_bytes=peak,
         allocs=s["num_allocs"] - start["num_allocs"], refusals=s["num_refusals"] - start["num_refusals"],
+        waits=max(0, s.get("num_waits", 0) - start.get("num_waits", 0)),
+        waits_served=max(0, s.get("num_waits_served", 0) - start.get("num_waits_served", 0)),
+        wait_seconds=max(0.0, (s.get("wait_ns", 0) - start.get("wait_ns", 0)) / 1e9),
         overshoot_bytes_by_kind=over, batch_size=batch_size,
         suggested_batch_size=suggestion.batch_size if suggestion else None,
         suggestion_method=suggestion.method if suggestion else "",
