@@ -50,7 +50,10 @@ def explain(device, refusal, suggestion=None, running=None, deferred=False, data
     outside = refusal["passthrough_bytes_in_use"]
     in_use = refusal["bytes_in_use"] - outside
     text = (f"{device}: cannot allocate {format_bytes(req)} ({req} bytes): {format_bytes(in_use)} of the "
-            f"{format_bytes(refusal['bytes_limit'])} budget in use, largest free block {largest_free(refusal)}.")
+            f"{format_bytes(refusal['bytes_limit'])} budget in use, largest free block {largest_free(refusal)}")
+    waited = refusal.get("waited_ns", 0)
+    text += (f", after waiting {waited / 1e9:.2f} s for blocks the kernels on other threads free." if waited > 0
+             else ".")
     held = holders(refusal.get("bytes_in_use_by_kind", {}), refusal.get("overshoot_in_use_by_kind", {}))
     if held:
         text += f" In use: {held}."

@@ -1,5 +1,6 @@
 """Requests that wait for what other threads free (cc/tfmg/free_wait.h), through the
 Pool, install() and a Keras fit() whose kernels' order decides whether it fits."""
+import re
 import threading
 import time
 
@@ -123,3 +124,20 @@ def test_a_step_that_fits_only_in_another_order_trains_when_its_requests_wait():
     assert at_once.returncode == 0, at_once
     assert not at_once.data["trained"] and at_once.data["waits"] == 0
     assert at_once.data["peak_reserved"] <= at_once.data["limit"]
+
+
+def test_the_oom_note_says_how_long_the_refused_request_waited():
+    from tf_memguard import _oom
+    p = _core.Pool(max_bytes=4 * MiB)
+    p.set_wait(0.05)
+    held = p.allocate(3 * MiB)
+    with pytest.raises(_core.OutOfBudgetError):
+        p.allocate(2 * MiB, wait=True)
+    note = _oom.explain("CPU:0", p.last_refusal(), running=64)
+    assert re.search(r"cannot allocate 2\.00 MiB .* largest free block .*, after waiting 0\.0\d s for blocks the "
+                     r"kernels on other threads free\. In use: .* Reduce the batch size \(now 64\)", note), note
+    with pytest.raises(_core.OutOfBudgetError):
+        p.allocate(2 * MiB)  # not waiting: the note says nothing of a wait
+    assert "waiting" not in _oom.explain("CPU:0", p.last_refusal())
+    p.free(held)
+    p.close()
