@@ -179,16 +179,17 @@ class pool_allocator final : public tsl::Allocator {
 
   void* serve_kernel(size_t alignment, size_t num_bytes) {
     const uint32_t tag = batch_tag() | TFMG_ALLOC_KIND(TFMG_KIND_KERNEL);
-    void* p = allocate(alignment, num_bytes, tag | TFMG_ALLOC_QUIET);
+    // A request that does not fit waits for what the kernels running on other threads
+    // free (the pool's wait time, set by tf_memguard.install()), behind any request that
+    // waits already; quiet: what a refusal does depends on the caller, read below.
+    void* p = allocate(alignment, num_bytes, tag | TFMG_ALLOC_QUIET | TFMG_ALLOC_WAIT);
     if (p != nullptr) return p;
     const caller who = classify_caller(TFMG_KIND_KERNEL);
     if (who.leaks_on_refusal) {
       // A dataset's scalar handle: tiny, and refusing it leaks the dataset (caller.h).
       return allocate(alignment, num_bytes, TFMG_ALLOC_MUST_SUCCEED | TFMG_ALLOC_KIND(TFMG_KIND_DATA));
     }
-    // Waits for what the kernels running on other threads free (the pool's wait time,
-    // set by tf_memguard.install()), then is refused and recorded.
-    if (!who.onednn) return allocate(alignment, num_bytes, tag | TFMG_ALLOC_WAIT);
+    if (!who.onednn) return allocate(alignment, num_bytes, tag);  // refused (it waited), and recorded
     p = allocate(alignment, num_bytes, TFMG_ALLOC_MUST_SUCCEED | tag);
     static std::atomic<bool> warned{false};
     if (p != nullptr && !warned.exchange(true)) {
@@ -209,13 +210,14 @@ class pool_allocator final : public tsl::Allocator {
     }
     const caller who = classify_caller(fallback);
     const uint32_t kind = TFMG_ALLOC_KIND(who.kind);
-    if (void* p = allocate(alignment, num_bytes, tag | TFMG_ALLOC_QUIET | kind)) return p;
+    // tf.data's batches are made beside the step and wait (behind the kernels that wait)
+    // for what its kernels free; constants are made while a function is traced, with no
+    // other thread to free.
+    const uint32_t wait = may_refuse && who.refusable && who.kind == TFMG_KIND_DATA ? TFMG_ALLOC_WAIT : 0u;
+    if (void* p = allocate(alignment, num_bytes, tag | TFMG_ALLOC_QUIET | kind | wait)) return p;
     if (may_refuse && who.refusable) {
       // Recorded as a refusal this time (a block freed meanwhile may even let it through).
-      // tf.data's batches are made beside the step and wait for what its kernels free;
-      // constants are made while a function is traced, with no other thread to free.
-      const uint32_t wait = who.kind == TFMG_KIND_DATA ? TFMG_ALLOC_WAIT : 0u;
-      void* p = allocate(alignment, num_bytes, tag | kind | wait);
+      void* p = allocate(alignment, num_bytes, tag | kind);
       if (p == nullptr && who.kind == TFMG_KIND_CONSTANT) {
         static std::atomic<bool> warned{false};
         if (!warned.exchange(true)) {

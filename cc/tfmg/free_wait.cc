@@ -2,14 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <thread>
-
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
-#endif
 
 namespace tfmg {
 
@@ -19,46 +11,23 @@ std::int64_t free_waiter::now_ns() {
       .count();
 }
 
-bool free_waiter::sleep(std::uint32_t seen, std::int64_t* last_free_ns, std::uint32_t failures) {
-  const std::int64_t idle = idle_ns();
-  for (;;) {
-    if (failures_.load(std::memory_order_acquire) != failures) return false;  // the episode failed
-    const std::int64_t now = now_ns();
-    if (frees_.load(std::memory_order_acquire) != seen) {
-      *last_free_ns = now;
-      return true;  // something was freed: try again
-    }
-    const std::int64_t left = *last_free_ns + idle - now;
-    if (left <= 0) {
-      give_up(now);
-      return false;
-    }
-#if defined(__linux__)
-    timespec ts;
-    ts.tv_sec = static_cast<time_t>(left / 1000000000);
-    ts.tv_nsec = static_cast<long>(left % 1000000000);
-    syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&frees_), FUTEX_WAIT_PRIVATE, seen, &ts, nullptr, 0);
-#else
-    std::this_thread::sleep_for(std::chrono::nanoseconds(std::min<std::int64_t>(left, 1000000)));
-#endif
-  }
+void free_waiter::give_up_locked(std::int64_t now) {
+  failed_until_ns_ = now + idle_ns();
+  ++failures_;  // the other waits of the episode see it and give up too
 }
 
-void free_waiter::give_up(std::int64_t now) {
-  failed_until_ns_.store(now + idle_ns(), std::memory_order_relaxed);
-  failures_.fetch_add(1, std::memory_order_acq_rel);
-  // The other waits of the episode wake and see failures_ changed.
-  frees_.fetch_add(1, std::memory_order_acq_rel);
-#if defined(__linux__)
-  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&frees_), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
-#endif
+void free_waiter::leave_locked(std::uint64_t ticket) {
+  auto it = std::find(queue_.begin(), queue_.end(), ticket);
+  if (it != queue_.end()) queue_.erase(it);
+  waiters_.store(static_cast<int>(queue_.size()), std::memory_order_seq_cst);
 }
 
 void free_waiter::notify_slow() {
-  frees_.fetch_add(1, std::memory_order_acq_rel);
-#if defined(__linux__)
-  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&frees_), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
-#endif
+  {
+    std::lock_guard<std::mutex> lock(m_);
+    ++frees_;
+  }
+  cv_.notify_all();
 }
 
 void free_waiter::note_served(std::int64_t waited) {

@@ -10,18 +10,29 @@
 // block was freed for `idle`: when every thread that could free is itself waiting, or
 // idle, nothing will change, and an out-of-memory error should come at once.
 //
+// Oldest first. While a request waits, a later request waits behind it even where it
+// would fit, and the waiting requests are served in the order they came: the thread
+// that asks next does not take what the waiting kernel needs, and a step's threads run
+// as the advice's replay runs them (tfmg_replay_step, "waiting"), so that what the model
+// says fits is what the pool serves.
+//
 // Episodes. A step that does not fit makes many requests that do not fit, one after the
 // other (a recurrent model's loop went on making them: 33 refusals in one failed step).
-// Once a wait has given up, requests that do not fit are refused without waiting until
-// none has been refused for `idle` (the failed step has unwound), and the waits going on
-// then give up with it.
+// Once a wait has given up, every request waiting then gives up with it, and requests
+// that would wait are refused at once until none has been refused for `idle` (the failed
+// step has unwound).
 //
-// The cost when nobody waits: deallocate reads one atomic (waiters_), relaxed.
+// The cost when nobody waits: one relaxed atomic load per allocation that may wait and
+// per free (waiters_).
 #ifndef TFMG_FREE_WAIT_H_
 #define TFMG_FREE_WAIT_H_
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <mutex>
 
 namespace tfmg {
 
@@ -31,15 +42,19 @@ class free_waiter {
   void set_idle_ns(std::int64_t ns) { idle_ns_.store(ns < 0 ? 0 : ns, std::memory_order_relaxed); }
   std::int64_t idle_ns() const { return idle_ns_.load(std::memory_order_relaxed); }
 
+  // True while a request waits: a new request then waits behind it (oldest first).
+  bool has_waiters() const { return waiters_.load(std::memory_order_seq_cst) != 0; }
+
   // After a block was freed (or the budget raised), outside the pool's lock.
   void notify() {
     if (waiters_.load(std::memory_order_seq_cst) != 0) notify_slow();
   }
 
   // One wait of one request. `try_allocate()` is the pool's quiet attempt (nullptr when
-  // it still does not fit); it is called once before sleeping and after each wake-up.
-  // Returns the block, or nullptr once the wait gave up (the caller then refuses the
-  // request, recorded). *waited_ns gets how long it waited.
+  // it still does not fit); it is called when the request is the oldest waiting, and
+  // again after each free. Returns the block, or nullptr once the wait gave up (or the
+  // episode failed, or no wait is set): the caller then refuses the request, recorded.
+  // *waited_ns gets how long it waited.
   template <class TryAllocate>
   void* wait(TryAllocate&& try_allocate, std::int64_t* waited_ns);
 
@@ -55,21 +70,21 @@ class free_waiter {
   static std::int64_t now_ns();
 
  private:
-  // Returns false when the wait should give up now (no free for idle, or the episode
-  // failed). `last_free_ns` is when the last free was seen (the wait's start at first).
-  bool sleep(std::uint32_t seen, std::int64_t* last_free_ns, std::uint32_t failures);
-  void give_up(std::int64_t now);
+  // All under m_.
+  void give_up_locked(std::int64_t now);
+  void leave_locked(std::uint64_t ticket);
   void notify_slow();
   void note_served(std::int64_t waited);
 
   std::atomic<std::int64_t> idle_ns_{0};
-  std::atomic<int> waiters_{0};
-  // Bumped at every free while someone waits: the futex word waiters sleep on.
-  std::atomic<std::uint32_t> frees_{0};
-  // Bumped when a wait gives up: the waits going on give up too.
-  std::atomic<std::uint32_t> failures_{0};
-  // Until then (steady clock, ns) requests that do not fit are refused without waiting.
-  std::atomic<std::int64_t> failed_until_ns_{0};
+  std::atomic<int> waiters_{0};  // requests in queue_ (read without m_)
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<std::uint64_t> queue_;  // the waiting requests' tickets, oldest first
+  std::uint64_t next_ticket_ = 0;
+  std::uint64_t frees_ = 0;     // frees seen while someone waited
+  std::uint64_t failures_ = 0;  // waits that gave up
+  std::int64_t failed_until_ns_ = 0;  // until then, requests that would wait are refused
   std::atomic<std::int64_t> waits_{0}, served_{0}, wait_ns_{0}, longest_ns_{0};
 };
 
@@ -79,24 +94,45 @@ void* free_waiter::wait(TryAllocate&& try_allocate, std::int64_t* waited_ns) {
   const std::int64_t idle = idle_ns();
   if (idle <= 0) return nullptr;
   const std::int64_t start = now_ns();
-  if (start < failed_until_ns_.load(std::memory_order_relaxed)) {
+  std::unique_lock<std::mutex> lock(m_);
+  if (start < failed_until_ns_) {
     // A step that is failing: refused at once, and the episode goes on.
-    failed_until_ns_.store(start + idle, std::memory_order_relaxed);
+    failed_until_ns_ = start + idle;
     return nullptr;
   }
   waits_.fetch_add(1, std::memory_order_relaxed);
-  // Registered before the attempt: a free after it (under the pool's lock) then sees a
-  // waiter and bumps frees_, so the sleep below cannot miss it.
-  waiters_.fetch_add(1, std::memory_order_seq_cst);
-  const std::uint32_t failures = failures_.load(std::memory_order_acquire);
+  const std::uint64_t ticket = next_ticket_++;
+  queue_.push_back(ticket);
+  waiters_.store(static_cast<int>(queue_.size()), std::memory_order_seq_cst);
+  const std::uint64_t failures = failures_;
+  std::uint64_t seen = frees_;
   std::int64_t last_free = start;
   void* p = nullptr;
   for (;;) {
-    const std::uint32_t seen = frees_.load(std::memory_order_acquire);
-    p = try_allocate();
-    if (p != nullptr || !sleep(seen, &last_free, failures)) break;
+    if (failures_ != failures) break;  // the episode failed
+    if (frees_ != seen) {
+      seen = frees_;
+      last_free = now_ns();  // something was freed since the last look: its clock restarts
+    }
+    if (queue_.front() == ticket) {
+      // The oldest: try, without m_ (the pool takes its own lock; frees go on meanwhile
+      // and are seen through frees_).
+      lock.unlock();
+      p = try_allocate();
+      lock.lock();
+      if (p != nullptr) break;
+      if (frees_ != seen) continue;  // freed while it tried: try again
+    }
+    const std::int64_t now = now_ns();
+    if (now - last_free >= idle) {
+      give_up_locked(now);
+      break;
+    }
+    cv_.wait_for(lock, std::chrono::nanoseconds(last_free + idle - now));
   }
-  waiters_.fetch_sub(1, std::memory_order_seq_cst);
+  leave_locked(ticket);
+  lock.unlock();
+  cv_.notify_all();  // the next oldest may go now
   *waited_ns = now_ns() - start;
   if (p != nullptr) note_served(*waited_ns);
   return p;

@@ -182,10 +182,14 @@ thread_local std::int64_t t_waited_ns = 0;
 void* pool::allocate_waiting(std::size_t bytes, std::size_t alignment, unsigned flags,
                              pool_error* error) {
   const unsigned quiet = flags | TFMG_ALLOC_QUIET;
-  void* p = allocate_now(bytes, alignment, quiet, error);
-  if (p != nullptr || error->status != TFMG_ERROR_OUT_OF_MEMORY || (flags & TFMG_ALLOC_MUST_SUCCEED)) {
-    return p;
+  t_waited_ns = 0;
+  if (flags & TFMG_ALLOC_MUST_SUCCEED) return allocate_now(bytes, alignment, flags, error);
+  // While others wait, a request waits behind them, oldest first (free_wait.h).
+  if (!waiter_.has_waiters() || waiter_.idle_ns() <= 0) {
+    void* p = allocate_now(bytes, alignment, quiet, error);
+    if (p != nullptr || error->status != TFMG_ERROR_OUT_OF_MEMORY) return p;
   }
+  void* p = nullptr;
   std::int64_t waited = 0;
   p = waiter_.wait(
       [&] {
@@ -194,11 +198,10 @@ void* pool::allocate_waiting(std::size_t bytes, std::size_t alignment, unsigned 
       },
       &waited);
   if (p != nullptr) return p;
-  // Refused (recorded, with how long it waited), unless a free came just now.
+  // Refused: recorded, with how long it waited. A quiet request is the caller's probe: the
+  // wait is kept for the refusal the caller records next on this thread.
   t_waited_ns = waited;
-  p = allocate_now(bytes, alignment, flags, error);
-  t_waited_ns = 0;
-  return p;
+  return allocate_now(bytes, alignment, flags, error);
 }
 
 void* pool::allocate_now(std::size_t bytes, std::size_t alignment, unsigned flags,
@@ -730,6 +733,8 @@ void pool::refuse_locked(std::size_t bytes, std::size_t alignment, unsigned flag
   last_refusal_.requested_batch = (flags & TFMG_ALLOC_BATCH) != 0 ? 1 : 0;
   last_refusal_.kind = static_cast<std::int32_t>(kind_of(flags));
   last_refusal_.waited_ns = t_waited_ns;
+  const std::int64_t waited_ns = t_waited_ns;
+  t_waited_ns = 0;
   for (int k = 0; k < TFMG_NUM_KINDS; ++k) {
     last_refusal_.bytes_in_use_by_kind[k] = static_cast<std::int64_t>(in_use_by_kind_[k]);
     last_refusal_.overshoot_in_use_by_kind[k] = static_cast<std::int64_t>(overshoot_in_use_by_kind_[k]);
@@ -737,9 +742,9 @@ void pool::refuse_locked(std::size_t bytes, std::size_t alignment, unsigned flag
   if (trace_.enabled()) trace_.record(TFMG_TRACE_REFUSE, -1, bytes, 0, 0, flags);
   error->status = TFMG_ERROR_OUT_OF_MEMORY;
   std::string waited;
-  if (t_waited_ns > 0) {
+  if (waited_ns > 0) {
     char buf[64];
-    std::snprintf(buf, sizeof buf, " (it waited %.2f s for blocks other threads free)", t_waited_ns / 1e9);
+    std::snprintf(buf, sizeof buf, " (it waited %.2f s for blocks other threads free)", waited_ns / 1e9);
     waited = buf;
   }
   error->message = "cannot allocate " + format_bytes(bytes) + " (" + std::to_string(bytes) +

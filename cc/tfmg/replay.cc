@@ -229,11 +229,13 @@ tfmg_status tfmg_replay_step(const tfmg_pool_options* options, const tfmg_step_o
   std::memset(result, 0, sizeof *result);
   result->fits = 1;
   result->failed_at = UINT64_MAX;
-  step_replayer r(pool, slots, result);
-  if (waiting) {
-    r.run_waiting(ops, count);
-  } else {
-    r.run_in_order(ops, count);
+  {
+    step_replayer r(pool, slots, result);  // frees what it holds before the pool goes
+    if (waiting) {
+      r.run_waiting(ops, count);
+    } else {
+      r.run_in_order(ops, count);
+    }
   }
   tfmg_pool_destroy(pool, 1);
   return TFMG_OK;

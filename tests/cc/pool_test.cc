@@ -940,6 +940,41 @@ void test_a_wait_gives_up_without_frees_and_the_failing_step_is_not_waited_for()
   CHECK_OK(tfmg_pool_destroy(p, 0));
 }
 
+// Oldest first: while a request waits, a later one waits behind it even where it would
+// fit, and they are served in the order they came; requests without the flag are not held.
+void test_waiting_requests_are_served_oldest_first() {
+  tfmg_pool* p = make_pool(4 * MiB);
+  CHECK_OK(tfmg_pool_set_wait(p, 2000 * int64_t{1000000}));
+  void* held = alloc(p, 3 * MiB);
+  std::atomic<int64_t> a_at{0}, b_at{0};
+  void* a = nullptr;
+  void* b = nullptr;
+  std::thread ta([&] {
+    a = alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT);
+    a_at = now_ms();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  const int64_t b_asked = now_ms();
+  std::thread tb([&] {
+    b = alloc_flags(p, 512 << 10, TFMG_ALLOC_WAIT);  // 1 MiB is free: it would fit
+    b_at = now_ms();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  void* c = alloc(p, 64 << 10);  // no flag: served at once
+  CHECK(c != nullptr && b == nullptr && a == nullptr);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  CHECK_OK(tfmg_pool_deallocate(p, held, nullptr));
+  ta.join();
+  tb.join();
+  CHECK(a != nullptr && b != nullptr);
+  CHECK(a_at.load() <= b_at.load() && b_at.load() - b_asked >= 50);
+  tfmg_stats s = stats(p);
+  CHECK(s.num_waits == 2 && s.num_waits_served == 2 && s.num_refusals == 0);
+  for (void* q : {a, b, c}) CHECK_OK(tfmg_pool_deallocate(p, q, nullptr));
+  CHECK(valid(p));
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
 // Raising the budget serves a waiting request; a waiting request is never served over the
 // budget, and MUST_SUCCEED requests never wait.
 void test_raising_the_budget_serves_a_waiting_request() {
@@ -1243,6 +1278,7 @@ int main() {
       {"a_wait_gives_up_without_frees_and_the_failing_step_is_not_waited_for",
        test_a_wait_gives_up_without_frees_and_the_failing_step_is_not_waited_for},
       {"raising_the_budget_serves_a_waiting_request", test_raising_the_budget_serves_a_waiting_request},
+      {"waiting_requests_are_served_oldest_first", test_waiting_requests_are_served_oldest_first},
       {"threads_waiting_near_the_budget_keep_the_pool_valid", test_threads_waiting_near_the_budget_keep_the_pool_valid},
       {"trace_events_name_their_thread", test_trace_events_name_their_thread},
       {"a_waiting_replay_lets_each_thread_wait_for_the_others_frees",
