@@ -12,10 +12,16 @@ from tfproc import run
 MiB = 1 << 20
 
 
-def test_a_waiting_request_is_served_by_another_threads_free():
+def held_pool(wait):
+    """A 4 MiB pool whose requests wait up to `wait` s without a free, 3 MiB of it held:
+    (pool, the held block)."""
     p = _core.Pool(max_bytes=4 * MiB)
-    p.set_wait(2.0)
-    held = p.allocate(3 * MiB)
+    p.set_wait(wait)
+    return p, p.allocate(3 * MiB)
+
+
+def test_a_waiting_request_is_served_by_another_threads_free():
+    p, held = held_pool(2.0)
     threading.Timer(0.05, p.free, args=(held,)).start()
     t0 = time.monotonic()
     got = p.allocate(2 * MiB, wait=True)
@@ -28,9 +34,7 @@ def test_a_waiting_request_is_served_by_another_threads_free():
 
 
 def test_a_wait_without_frees_is_refused_with_how_long_it_waited_and_the_next_at_once():
-    p = _core.Pool(max_bytes=4 * MiB)
-    p.set_wait(0.1)
-    held = p.allocate(3 * MiB)
+    p, held = held_pool(0.1)
     t0 = time.monotonic()
     with pytest.raises(_core.OutOfBudgetError, match=r"waited 0\.1\d s for blocks other threads free"):
         p.allocate(2 * MiB, wait=True)
@@ -47,9 +51,7 @@ def test_a_wait_without_frees_is_refused_with_how_long_it_waited_and_the_next_at
 
 
 def test_without_wait_or_with_must_succeed_a_request_never_waits():
-    p = _core.Pool(max_bytes=4 * MiB)
-    p.set_wait(5.0)
-    held = p.allocate(3 * MiB)
+    p, held = held_pool(5.0)
     t0 = time.monotonic()
     with pytest.raises(_core.OutOfBudgetError):
         p.allocate(2 * MiB)
@@ -128,9 +130,7 @@ def test_a_step_that_fits_only_in_another_order_trains_when_its_requests_wait():
 
 def test_the_oom_note_says_how_long_the_refused_request_waited():
     from tf_memguard import _oom
-    p = _core.Pool(max_bytes=4 * MiB)
-    p.set_wait(0.05)
-    held = p.allocate(3 * MiB)
+    p, held = held_pool(0.05)
     with pytest.raises(_core.OutOfBudgetError):
         p.allocate(2 * MiB, wait=True)
     note = _oom.explain("CPU:0", p.last_refusal(), running=64)
