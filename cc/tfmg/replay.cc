@@ -75,14 +75,15 @@ class step_replayer {
     backlog_.assign(threads, {});
     queued_.assign(threads, false);
     pending_.assign(table_.size(), false);
-    for (uint64_t i = 0; i < count; ++i) {
+    for (uint64_t i = 0; i < count && !failed_; ++i) {
       const tfmg_step_op& op = ops[i];
       if (!(op.flags & TFMG_STEP_FREE)) pending_[op.slot] = true;
       backlog_[op.thread].push_back(i);
       advance(op.thread);
       if (freed_) settle();
     }
-    settle();
+    if (!failed_) settle();
+    if (failed_) result_->fits = 0;
     for (const auto& q : backlog_) {
       if (!q.empty()) {
         result_->fits = 0;
@@ -109,6 +110,15 @@ class step_replayer {
         if (pending_[op.slot]) return;  // it needs a block not allocated yet
         if (table_[op.slot] != nullptr) freed_ = true;
         release(op.slot);
+      } else if (!waits(op)) {
+        // As the pool serves it: at once, beside any queue (granted as overshoot where it
+        // must succeed); one that is refused fails the step.
+        if (!allocate(op, TFMG_ALLOC_QUIET)) {
+          failed_ = true;
+          result_->failed_at = std::min(result_->failed_at, q.front());
+          return;
+        }
+        pending_[op.slot] = false;
       } else if (!queue_.empty() || !allocate(op, TFMG_ALLOC_QUIET)) {
         queue_.push_back(t);
         queued_[t] = true;
@@ -121,10 +131,19 @@ class step_replayer {
     }
   }
 
+  // Which requests wait as the TensorFlow glue asks for them (TFMG_ALLOC_WAIT): kernels'
+  // and tf.data's that can be refused. The rest (overshoot, constants, runtime buffers)
+  // are served or refused at once.
+  static bool waits(const tfmg_step_op& op) {
+    if (op.flags & TFMG_ALLOC_MUST_SUCCEED) return false;
+    const unsigned kind = (op.flags >> TFMG_ALLOC_KIND_SHIFT) & 15u;
+    return kind == TFMG_KIND_KERNEL || kind == TFMG_KIND_DATA;
+  }
+
   // After frees: the queue's oldest requests while they fit, and the threads as far as
   // they go, until nothing moves.
   void settle() {
-    while (freed_) {
+    while (freed_ && !failed_) {
       freed_ = false;
       while (!queue_.empty()) {
         const uint32_t t = queue_.front();
@@ -194,6 +213,7 @@ class step_replayer {
   std::deque<uint32_t> queue_;                 // the threads whose requests wait, oldest first
   std::vector<bool> pending_;                  // per slot: its allocation is not applied yet
   bool freed_ = false;                         // a free (or a served request) since settle()
+  bool failed_ = false;                        // a request that does not wait was refused
 };
 
 }  // namespace

@@ -1058,7 +1058,9 @@ tfmg_step_result replay_threads(const std::vector<tfmg_step_op>& ops, uint64_t b
   return r;
 }
 
-tfmg_step_op step_alloc(uint32_t slot, uint64_t size, uint32_t thread) { return {size, slot, 0u, thread, 0u}; }
+tfmg_step_op step_alloc(uint32_t slot, uint64_t size, uint32_t thread, uint32_t kind = TFMG_KIND_KERNEL) {
+  return {size, slot, TFMG_ALLOC_KIND(kind), thread, 0u};
+}
 tfmg_step_op step_free(uint32_t slot, uint32_t thread) { return {0, slot, TFMG_STEP_FREE, thread, 0u}; }
 
 // A replay that waits as the pool's waiting requests do: a thread whose request does not
@@ -1101,6 +1103,19 @@ void test_a_waiting_replay_lets_each_thread_wait_for_the_others_frees() {
                                           step_free(2, 2)};
   tfmg_step_result q = replay_threads(fifo, 12 * MiB, 1);
   CHECK(q.fits == 1 && q.waits == 2 && q.peak_account <= 11 * MiB + MiB / 8);
+  // A request that does not wait in the pool (a constant's, overshoot) is served or
+  // refused at once: a constant that does not fit fails the step, overshoot goes beside
+  // the queue.
+  const std::vector<tfmg_step_op> constant = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1, TFMG_KIND_CONSTANT),
+                                              step_free(0, 0), step_free(1, 1)};
+  tfmg_step_result k = replay_threads(constant, 10 * MiB, 1);
+  CHECK(k.fits == 0 && k.failed_at == 1 && k.waits == 0);
+  std::vector<tfmg_step_op> overshoot = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1),
+                                         step_alloc(2, 6 * MiB, 0), step_free(0, 0), step_free(2, 0),
+                                         step_free(1, 1)};
+  overshoot[2].flags |= TFMG_ALLOC_MUST_SUCCEED;  // thread 0's second: granted beside thread 1's wait
+  tfmg_step_result v = replay_threads(overshoot, 10 * MiB, 1);
+  CHECK(v.fits == 1 && v.waits == 1 && v.peak_overshoot >= 2 * MiB);
   // Out-of-range slots are refused.
   tfmg_pool_options o;
   tfmg_pool_options_init(&o);
