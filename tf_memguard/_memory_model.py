@@ -105,11 +105,10 @@ class StepTrace:
     # The peaks (as observed_peak) of every step with a full batch of the fit() this step
     # was recorded in, oldest first (_recording.fit_steps), or () when not measured.
     step_peaks: tuple = ()
-    # Per event, the thread that made it (tfmg_trace_event.thread); empty: not recorded.
+    # Per event, the thread that made it (tfmg_trace_event.thread; empty in reports saved
+    # before it was recorded): for reading a step, which kernels ran beside which. The
+    # replay does not use it (benchmarks/NOTES.md, "Waiting for frees").
     thread: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.uint32))
-    # The pool's requests waited for frees (Pool.wait > 0): a replay then lets each thread
-    # wait for the others' frees, as the run's pool does (StepModel.waits).
-    waits: bool = False
 
     @classmethod
     def capture_start(cls, pool):
@@ -127,7 +126,7 @@ class StepTrace:
                    op=t["op"].astype(np.uint32), size=t["size"].astype(np.uint64),
                    address=t["address"].astype(np.uint64), flags=t["flags"].astype(np.uint32),
                    complete=complete, layout=pool.layout(), ordered=ordered,
-                   thread=t["thread"].astype(np.uint32), waits=pool.wait > 0 and not ordered)
+                   thread=t["thread"].astype(np.uint32))
 
     def footprint(self):
         """The most bytes of backing granules (the layout's page_bytes; 0: none) that the
@@ -459,11 +458,6 @@ class StepModel:
     # The template allocates in one order every step (StepTrace.ordered: PyTorch's eager
     # steps): no order of the kernels is left unmet (unseen_order_bytes).
     ordered: bool = False
-    # Per event, the thread that made it, and whether the run's pool let requests wait
-    # for frees (StepTrace.waits): then a replay serves the step's threads as that pool
-    # does (tfmg_replay_step's waiting), and the step fits when its threads all finish.
-    ev_thread: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.uint32))
-    waits: bool = False
 
     @classmethod
     def build(cls, template, other=None, start=None, observed_peak=None, first=False, extra_start=None,
@@ -507,15 +501,13 @@ class StepModel:
         alloc_idx = template.allocations()
         per_alloc = {int(i): j for j, i in enumerate(alloc_idx.tolist())}
         nslots = n_start
-        ev_alloc, ev_slot, ev_flags, ev_flo, ev_lo, ev_fhi, ev_hi, ev_thread = [], [], [], [], [], [], [], []
-        threads = template.thread.tolist() if len(template.thread) == len(template.op) else [0] * len(template.op)
+        ev_alloc, ev_slot, ev_flags, ev_flo, ev_lo, ev_fhi, ev_hi = [], [], [], [], [], [], []
         for i, (op, addr, flags) in enumerate(zip(template.op.tolist(), template.address.tolist(),
                                                   template.flags.tolist())):
             if op == _FREE:
                 slot = where.pop(addr, None)
                 if slot is None:
                     continue
-                ev_thread.append(threads[i])
                 ev_alloc.append(False), ev_slot.append(slot), ev_flags.append(0)
                 ev_flo.append(0.0), ev_lo.append(0.0), ev_fhi.append(0.0), ev_hi.append(0.0)
                 continue
@@ -526,7 +518,6 @@ class StepModel:
                 where[addr] = slot
             # A refused request was one that could be refused; overshoot could not.
             f = (flags | _MUST) if op == _OVERSHOOT else (flags & ~_MUST if op == _REFUSE else flags)
-            ev_thread.append(threads[i])
             ev_alloc.append(True), ev_slot.append(slot), ev_flags.append(f)
             ev_flo.append(fixed_lo[j]), ev_lo.append(lo[j]), ev_fhi.append(fixed_hi[j]), ev_hi.append(hi[j])
         model = cls(start_fixed=start_fixed, start_slope=start_slope, start_flags=start_flags.copy(),
@@ -540,9 +531,7 @@ class StepModel:
                     samples=int(epoch[0]) if epoch else 0,
                     batch_bytes_per_sample=float(epoch[1]) if epoch else 0.0,
                     array_bytes=tuple(float(v) for v in epoch[2]) if epoch and len(epoch) > 2 else (),
-                    added_start=len(s_size) - len(start.start_size), ordered=bool(template.ordered),
-                    ev_thread=np.array(ev_thread, dtype=np.uint32),
-                    waits=bool(template.waits) and len(template.thread) == len(template.op))
+                    added_start=len(s_size) - len(start.start_size), ordered=bool(template.ordered))
         peak = template.observed_peak if observed_peak is None else observed_peak
         if peak:
             replayed = model.need(template.batch_size)["peak_account"]
@@ -644,29 +633,9 @@ class StepModel:
     def replay(self, batch_size, budget):
         """The step at `batch_size` under `budget` bytes (spread and layout margin kept
         free): a dict with fits, failed_at, peak_bytes_reserved, peak_account,
-        peak_overshoot, blocks_at_peak, large_blocks_at_peak, slack_at_peak, waited.
-
-        In the recorded order first; where that does not fit and the run's pool let
-        requests wait, again as the waiting pool serves the step's threads
-        (tfmg_replay_step's waiting: a request that does not fit waits while the other
-        threads only free), with room kept for one more order not met
-        (`unseen_order_bytes` again): when the recorded steps waited for nothing, which
-        requests meet at the budget is the threads' timing there, a draw no recorded step
-        made. The zoo's autoencoder, recorded at 666 under 240 MiB, whose steps there
-        waited for nothing: the waiting replay with the room of the recorded order named
-        1,332, where two requests met, waited for each other and ran out (1,294 trains)."""
+        peak_overshoot, blocks_at_peak, large_blocks_at_peak, slack_at_peak."""
         sizes, slots, flags, nslots = self._ops(batch_size)
         room = int(budget) - self.spread(batch_size) - self.layout_margin(batch_size, budget)
-        r = self._replay_ops(sizes, slots, flags, nslots, room, None)
-        threads = self._threads()
-        r["waited"] = False
-        if not r["fits"] and threads is not None:
-            w = self._replay_ops(sizes, slots, flags, nslots, room - self.unseen_order_bytes(batch_size), threads)
-            if w["fits"]:
-                r = dict(w, waited=True)
-        return r
-
-    def _replay_ops(self, sizes, slots, flags, nslots, room, threads):
         if room <= 0:
             return {"fits": False, "failed_at": 0, "peak_bytes_reserved": 0, "peak_account": 0, "peak_overshoot": 0,
                     "blocks_at_peak": 0, "large_blocks_at_peak": 0, "slack_at_peak": 0}
@@ -674,19 +643,12 @@ class StepModel:
         r = _core.replay_step(sizes, slots, flags, nslots, room, upstream=_replay_upstream(lay),
                               alignment=int(lay.get("alignment", 0)), granule_bytes=_granule(lay),
                               address_factor=int(lay.get("address_factor", 0)),
-                              small_threshold=int(lay.get("small_threshold", 0)), threads=threads)
+                              small_threshold=int(lay.get("small_threshold", 0)))
         # Start blocks over the budget are granted as overshoot, never refused: they are
         # what the step meets. A step whose start alone passes the budget does not fit.
         if r["fits"] and r["peak_overshoot"] > 0 and self._start_overshoot(sizes, room):
             r["fits"] = False
         return r
-
-    def _threads(self):
-        """Each replay op's thread where the run's pool let requests wait (the start
-        blocks: thread 0; they are granted whatever the budget), else None."""
-        if not self.waits or len(self.ev_thread) != len(self.ev_alloc):
-            return None
-        return np.concatenate([np.zeros(len(self.start_fixed), dtype=np.uint32), self.ev_thread])
 
     def _start_overshoot(self, sizes, room):
         return int(sizes[:len(self.start_fixed)].sum()) > room
@@ -749,7 +711,7 @@ class StepModel:
             d["array_bytes"] = tuple(d["array_bytes"])
         types = {"start_fixed": np.float64, "start_slope": np.float64, "start_flags": np.uint32,
                  "ev_alloc": bool, "ev_slot": np.uint32, "ev_flags": np.uint32, "ev_fixed_lo": np.float64,
-                 "ev_lo": np.float64, "ev_fixed_hi": np.float64, "ev_hi": np.float64, "ev_thread": np.uint32}
+                 "ev_lo": np.float64, "ev_fixed_hi": np.float64, "ev_hi": np.float64}
         return cls(**{k: (np.asarray(v, dtype=types[k]) if k in types else v) for k, v in d.items()})
 
 

@@ -612,17 +612,10 @@ PYBIND11_MODULE(_core, m) {
          py::array_t<uint32_t, py::array::c_style | py::array::forcecast> slots,
          py::array_t<uint32_t, py::array::c_style | py::array::forcecast> flags, uint64_t nslots,
          const py::object& max_bytes, const std::string& upstream, uint64_t alignment, uint64_t granule_bytes,
-         uint64_t address_factor, uint64_t small_threshold, const py::object& threads) {
+         uint64_t address_factor, uint64_t small_threshold) {
         if (sizes.ndim() != 1 || slots.ndim() != 1 || flags.ndim() != 1 || sizes.shape(0) != slots.shape(0) ||
             sizes.shape(0) != flags.shape(0)) {
           throw py::value_error("sizes, slots and flags must be 1-D arrays of one length");
-        }
-        py::array_t<uint32_t, py::array::c_style | py::array::forcecast> thread;
-        if (!threads.is_none()) {
-          thread = threads.cast<py::array_t<uint32_t, py::array::c_style | py::array::forcecast>>();
-          if (thread.ndim() != 1 || thread.shape(0) != sizes.shape(0)) {
-            throw py::value_error("threads must be a 1-D array as long as sizes");
-          }
         }
         tfmg_pool_options o;
         tfmg_pool_options_init(&o);
@@ -637,15 +630,11 @@ PYBIND11_MODULE(_core, m) {
         auto z = sizes.unchecked<1>();
         auto l = slots.unchecked<1>();
         auto f = flags.unchecked<1>();
-        const bool waiting = !threads.is_none();
-        for (std::size_t i = 0; i < ops.size(); ++i) {
-          ops[i] = tfmg_step_op{z(i), l(i), f(i), waiting ? thread.at(i) : 0u, 0u};
-        }
+        for (std::size_t i = 0; i < ops.size(); ++i) ops[i] = tfmg_step_op{z(i), l(i), f(i)};
         tfmg_step_result r{};
-        call([&] { return tfmg_replay_step(&o, ops.data(), ops.size(), nslots, waiting ? 1 : 0, &r); });
+        call([&] { return tfmg_replay_step(&o, ops.data(), ops.size(), nslots, &r); });
         py::dict d;
         d["fits"] = r.fits != 0;
-        d["waits"] = r.waits;
         d["failed_at"] = r.failed_at == UINT64_MAX ? py::object(py::none()) : py::int_(r.failed_at);
         d["peak_bytes_reserved"] = r.peak_bytes_reserved;
         d["peak_account"] = r.peak_account;
@@ -657,9 +646,8 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("sizes"), py::arg("slots"), py::arg("flags"), py::arg("nslots"), py::arg("max_bytes"),
       py::arg("upstream") = "host_lazy", py::arg("alignment") = 0, py::arg("granule_bytes") = 0,
-      py::arg("address_factor") = 0, py::arg("small_threshold") = 0, py::arg("threads") = py::none(),
-      "Replays a step (ops: allocations, and frees flagged STEP_FREE) through a fresh pool with that budget; "
-      "with `threads` (each op's thread), as a pool whose requests wait for frees serves them.");
+      py::arg("address_factor") = 0, py::arg("small_threshold") = 0,
+      "Replays a step (ops: allocations, and frees flagged STEP_FREE) through a fresh pool with that budget.");
   m.attr("STEP_FREE") = TFMG_STEP_FREE;
   m.attr("ALLOC_MUST_SUCCEED") = TFMG_ALLOC_MUST_SUCCEED;
   m.attr("ALLOC_BATCH") = TFMG_ALLOC_BATCH;

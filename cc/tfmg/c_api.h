@@ -384,20 +384,17 @@ typedef struct tfmg_replay_result {
 
 /* A training step for tfmg_replay_step: an allocation of `size` with `flags` (its
  * request's TFMG_ALLOC_* flags: MUST_SUCCEED requests become overshoot where they do not
- * fit) stored in slots[slot], or, with TFMG_STEP_FREE in flags, a free of slots[slot];
- * made by `thread` (tfmg_trace_event's). */
+ * fit) stored in slots[slot], or, with TFMG_STEP_FREE in flags, a free of slots[slot]. */
 #define TFMG_STEP_FREE (1u << 31)
 typedef struct tfmg_step_op {
   uint64_t size;
   uint32_t slot;
   uint32_t flags;
-  uint32_t thread;
-  uint32_t unused;
 } tfmg_step_op;
 
 typedef struct tfmg_step_result {
-  int32_t fits;                /* 1 when no request that can be refused was (waiting: all were served) */
-  int32_t waits;               /* waiting: the requests that waited for frees */
+  int32_t fits;                /* 1 when no request that can be refused was */
+  int32_t reserved;
   uint64_t failed_at;          /* index of the first refused op, UINT64_MAX if none */
   int64_t peak_bytes_reserved; /* the most the budget held (bytes backed, where on demand) */
   int64_t peak_account;        /* the most pooled bytes in use plus overshoot */
@@ -410,20 +407,10 @@ typedef struct tfmg_step_result {
 
 /* Replays ops (a step, the blocks live at its start first) through a fresh pool made
  * with `options` (its max_bytes the budget asked about), the pool's own placement and
- * backing code. The upstream should back on demand (host_lazy: bookkeeping only, no
- * memory is touched) or be plain host memory.
- * waiting 0: in the order given, stopping at the first refusal.
- * waiting 1: as the pool serves threads whose requests wait for frees (TFMG_ALLOC_WAIT),
- * each thread's ops in their order, interleaved as given: a request that does not fit
- * stops its thread, and while any request waits, the other threads go on only with their
- * frees, each stopping at its next request (a thread does not start another kernel while
- * one waits: what it would run next may need the waiting kernel's output); the waiting
- * requests are served oldest first as frees make room, and their threads go on. A thread
- * that frees a block whose allocation still waits stops too. The step fits when every op
- * was applied; it does not when every thread is stopped (failed_at: the oldest op still
- * waiting). */
+ * backing code, and stops at the first refusal. The upstream should back on demand
+ * (host_lazy: bookkeeping only, no memory is touched) or be plain host memory. */
 TFMG_API tfmg_status tfmg_replay_step(const tfmg_pool_options* options, const tfmg_step_op* ops, uint64_t count,
-                                      uint64_t slots, int waiting, tfmg_step_result* result);
+                                      uint64_t slots, tfmg_step_result* result);
 
 TFMG_API tfmg_status tfmg_replay_pool(tfmg_pool* pool, const tfmg_replay_op* ops, uint64_t count,
                                       uint64_t slots, tfmg_replay_result* result);

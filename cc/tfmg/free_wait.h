@@ -11,10 +11,10 @@
 // idle, nothing will change, and an out-of-memory error should come at once.
 //
 // Oldest first. While a request waits, a later request waits behind it even where it
-// would fit, and the waiting requests are served in the order they came: the thread
-// that asks next does not take what the waiting kernel needs, and a step's threads run
-// as the advice's replay runs them (tfmg_replay_step, "waiting"), so that what the model
-// says fits is what the pool serves.
+// would fit, and the waiting requests are served in the order they came: the thread that
+// asks next does not take what the waiting kernel needs, and a large request is not
+// starved by smaller ones that keep fitting (keras.io's MNIST convnet at 194 under 96
+// MiB ran out when later requests went first, and trains oldest first).
 //
 // Episodes. A step that does not fit makes many requests that do not fit, one after the
 // other (a recurrent model's loop went on making them: 33 refusals in one failed step).

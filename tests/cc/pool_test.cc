@@ -1046,84 +1046,6 @@ void test_trace_events_name_their_thread() {
   CHECK_OK(tfmg_pool_destroy(p, 0));
 }
 
-tfmg_step_result replay_threads(const std::vector<tfmg_step_op>& ops, uint64_t budget, int waiting) {
-  tfmg_pool_options o;
-  tfmg_pool_options_init(&o);
-  o.max_bytes = budget;
-  o.upstream = TFMG_UPSTREAM_HOST_LAZY;
-  tfmg_step_result r{};
-  uint64_t slots = 0;
-  for (const auto& op : ops) slots = std::max<uint64_t>(slots, op.slot + 1);
-  CHECK_OK(tfmg_replay_step(&o, ops.data(), ops.size(), slots, waiting, &r));
-  return r;
-}
-
-tfmg_step_op step_alloc(uint32_t slot, uint64_t size, uint32_t thread, uint32_t kind = TFMG_KIND_KERNEL) {
-  return {size, slot, TFMG_ALLOC_KIND(kind), thread, 0u};
-}
-tfmg_step_op step_free(uint32_t slot, uint32_t thread) { return {0, slot, TFMG_STEP_FREE, thread, 0u}; }
-
-// A replay that waits as the pool's waiting requests do: a thread whose request does not
-// fit goes on after another thread's free; while one waits, the others go on only with
-// their frees; threads that all wait do not fit; a thread that frees a block still
-// waiting to be allocated waits for it.
-void test_a_waiting_replay_lets_each_thread_wait_for_the_others_frees() {
-  // Thread 1's 6 MiB fits only after thread 0 frees its 6 MiB.
-  const std::vector<tfmg_step_op> serial = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1),
-                                            step_free(0, 0), step_free(1, 1)};
-  tfmg_step_result in_order = replay_threads(serial, 10 * MiB, 0);
-  CHECK(in_order.fits == 0 && in_order.failed_at == 1);
-  tfmg_step_result waited = replay_threads(serial, 10 * MiB, 1);
-  CHECK(waited.fits == 1 && waited.waits == 1 && waited.failed_at == UINT64_MAX);
-  CHECK(waited.peak_account <= 10 * MiB && waited.peak_account >= 6 * MiB);
-  // With room for both, nothing waits, and both replays agree.
-  tfmg_step_result roomy = replay_threads(serial, 16 * MiB, 1);
-  CHECK(roomy.fits == 1 && roomy.waits == 0 && roomy.peak_account == replay_threads(serial, 16 * MiB, 0).peak_account);
-  // While thread 1 waits, thread 0 does not start another request, even one that fits:
-  // it waits behind, and both are served once thread 0's free... never comes. No fit.
-  const std::vector<tfmg_step_op> held = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1),
-                                          step_alloc(2, 1 * MiB, 0), step_free(0, 0), step_free(2, 0),
-                                          step_free(1, 1)};
-  tfmg_step_result h = replay_threads(held, 10 * MiB, 1);
-  CHECK(h.fits == 0 && h.failed_at == 1 && h.waits == 2);
-  // Its frees before its next request do go on: thread 0 frees, then asks.
-  const std::vector<tfmg_step_op> frees_first = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1),
-                                                 step_free(0, 0), step_alloc(2, 1 * MiB, 0), step_free(2, 0),
-                                                 step_free(1, 1)};
-  tfmg_step_result f = replay_threads(frees_first, 10 * MiB, 1);
-  CHECK(f.fits == 1 && f.waits == 1 && f.peak_account <= 7 * MiB + MiB / 8);
-  // Thread 0 frees the block thread 1 waits to allocate before it frees its own: thread 0
-  // waits for it, and nothing can go on.
-  const std::vector<tfmg_step_op> needs = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1),
-                                           step_free(1, 0), step_free(0, 0)};
-  CHECK(replay_threads(needs, 10 * MiB, 1).fits == 0);
-  // The oldest waiting request is served first: thread 2's 5 MiB after thread 1's 6.
-  const std::vector<tfmg_step_op> fifo = {step_alloc(0, 8 * MiB, 0), step_alloc(1, 6 * MiB, 1),
-                                          step_alloc(2, 5 * MiB, 2), step_free(0, 0), step_free(1, 1),
-                                          step_free(2, 2)};
-  tfmg_step_result q = replay_threads(fifo, 12 * MiB, 1);
-  CHECK(q.fits == 1 && q.waits == 2 && q.peak_account <= 11 * MiB + MiB / 8);
-  // A request that does not wait in the pool (a constant's, overshoot) is served or
-  // refused at once: a constant that does not fit fails the step, overshoot goes beside
-  // the queue.
-  const std::vector<tfmg_step_op> constant = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1, TFMG_KIND_CONSTANT),
-                                              step_free(0, 0), step_free(1, 1)};
-  tfmg_step_result k = replay_threads(constant, 10 * MiB, 1);
-  CHECK(k.fits == 0 && k.failed_at == 1 && k.waits == 0);
-  std::vector<tfmg_step_op> overshoot = {step_alloc(0, 6 * MiB, 0), step_alloc(1, 6 * MiB, 1),
-                                         step_alloc(2, 6 * MiB, 0), step_free(0, 0), step_free(2, 0),
-                                         step_free(1, 1)};
-  overshoot[2].flags |= TFMG_ALLOC_MUST_SUCCEED;  // thread 0's second: granted beside thread 1's wait
-  tfmg_step_result v = replay_threads(overshoot, 10 * MiB, 1);
-  CHECK(v.fits == 1 && v.waits == 1 && v.peak_overshoot >= 2 * MiB);
-  // Out-of-range slots are refused.
-  tfmg_pool_options o;
-  tfmg_pool_options_init(&o);
-  o.max_bytes = 10 * MiB;
-  tfmg_step_result r{};
-  CHECK(tfmg_replay_step(&o, serial.data(), serial.size(), 1, 1, &r) == TFMG_ERROR_INVALID_ARGUMENT);
-}
-
 // Backed on demand, lowering the budget gives back the granules inside free blocks, and
 // is refused only when what stays backed under blocks in use does not fit (issue: 128 MiB
 // live under 1 GiB was refused a 200 MiB budget, "128 MiB is backed under blocks in use").
@@ -1296,8 +1218,6 @@ int main() {
       {"waiting_requests_are_served_oldest_first", test_waiting_requests_are_served_oldest_first},
       {"threads_waiting_near_the_budget_keep_the_pool_valid", test_threads_waiting_near_the_budget_keep_the_pool_valid},
       {"trace_events_name_their_thread", test_trace_events_name_their_thread},
-      {"a_waiting_replay_lets_each_thread_wait_for_the_others_frees",
-       test_a_waiting_replay_lets_each_thread_wait_for_the_others_frees},
   };
   int passed = 0, failed = 0;
   for (const test& t : tests) {

@@ -163,9 +163,8 @@ def test_the_model_of_a_short_fit_inside_a_run_does_not_count_the_runs_batches()
     # model of the short fit()'s step at 8 (the trace for sizes that do not divide the
     # 8,192 samples) met the run's three prepared batches at 16 and scaled them as its
     # own: it named 109-204 in 24 processes. Without them it names 233-320 (10 processes).
-    # 200 is 0.57 of 348: under it is the old defect. Above 473, the most that trains now
-    # that requests wait for frees (348 without waits; the model replays the waits), the
-    # new one (too much).
+    # 200 is 0.57 of 348: under it is the old defect; above 348 (the most that trains
+    # without waits, the step the model is of) the new one (too much).
     r = run(PRELUDE, """
     import tf_memguard
     from tf_memguard._memory_model import StepModels
@@ -183,8 +182,8 @@ def test_the_model_of_a_short_fit_inside_a_run_does_not_count_the_runs_batches()
     assert r.returncode == 0, r
     lone = [n for n, d in zip(r.data["largest"], r.data["domains"]) if d == "dynamic"]
     assert len(lone) == 1, r.data
-    assert 200 <= lone[0] <= 473, r.data
-    assert r.data["suggested"] <= 473, r.data
+    assert 200 <= lone[0] <= 348, r.data
+    assert r.data["suggested"] <= 348, r.data
 
 
 
