@@ -161,10 +161,11 @@ def divisor_batch(n, limit):
     return b
 
 
-def evaluate(name, budget, known=None, limit_only=False, nowait=None):
+def evaluate(name, budget, known=None, limit_only=False, nowait=None, keep=None):
     """The row of model `name`; `known`: its limit from an earlier run (no bisection);
     `limit_only`: the limit alone (its bisection's runs kept); `nowait`: its limit with
-    install(wait=0), from an earlier run, for the ratios against it too."""
+    install(wait=0), from an earlier run, for the ratios against it too; `keep`: its row of an
+    earlier run, whose advice columns are kept."""
     t0 = time.time()
     trials = Trials(name, budget)
     if known:
@@ -178,15 +179,22 @@ def evaluate(name, budget, known=None, limit_only=False, nowait=None):
                 "bisection": {str(b): [r["fits"] for r in got] for b, got in sorted(trials.cache.items())},
                 "seconds": round(time.time() - t0, 1)}
     half = max(1, limit // 2)
-    advised = run(FIT.format(name=name, budget=budget, batch=half))
-    suggested = advised.get("suggested") if advised["fits"] else None
-    trains = bool(suggested) and trials.fits(suggested)
+    div = divisor_batch(samples_of(name), limit)
+    if keep:
+        # The advice's columns of an earlier run (--keep-advice): only the answers after an
+        # OOM and find_batch_size's are measured again.
+        suggested, trains = keep["suggested"], keep["suggested_trains_2_of_2"]
+        suggested_div, trains_div = keep["divisor_suggested"], keep["divisor_suggested_trains_2_of_2"]
+    else:
+        advised = run(FIT.format(name=name, budget=budget, batch=half))
+        suggested = advised.get("suggested") if advised["fits"] else None
+        trains = bool(suggested) and trials.fits(suggested)
     oom = run(OOM.format(name=name, budget=budget, batch=int(limit * 1.6)))
     find = run(FIND.format(name=name, budget=budget))
-    div = divisor_batch(samples_of(name), limit)
-    advised_div = run(FIT.format(name=name, budget=budget, batch=div))
-    suggested_div = advised_div.get("suggested") if advised_div["fits"] else None
-    trains_div = bool(suggested_div) and trials.fits(suggested_div)
+    if not keep:
+        advised_div = run(FIT.format(name=name, budget=budget, batch=div))
+        suggested_div = advised_div.get("suggested") if advised_div["fits"] else None
+        trains_div = bool(suggested_div) and trials.fits(suggested_div)
     row = {
         "model": name, "budget_mib": budget, "limit": limit,
         "suggested": suggested, "suggested_over_limit": round(suggested / limit, 3) if suggested else None,
@@ -202,6 +210,8 @@ def evaluate(name, budget, known=None, limit_only=False, nowait=None):
     }
     if known:
         row["limit_from"] = "an earlier run's bisection (--limits)"
+    if keep:
+        row["advice_from"] = "an earlier run's (--keep-advice): the advice and at-2^k columns"
     if nowait:
         # The memory model is of the step as it runs without waits: its answers against
         # the largest size that trains with install(wait=0) too (NOTES, "Waiting for frees").
@@ -254,6 +264,9 @@ def main(argv=None):
     ap.add_argument("--limits-without-waits", default=None,
                     help="a JSON written by this script with limits measured under install(wait=0) (or before "
                          "requests waited): each answer's ratio to that limit too")
+    ap.add_argument("--keep-advice", default=None,
+                    help="a JSON written by this script: keep its advice columns (after two epochs at half the "
+                         "limit, and at a power of two) and measure the rest again")
     ap.add_argument("--limits-only", action="store_true",
                     help="bisect each model's limit and stop there (rows of model, budget and limit, for --limits)")
     args = ap.parse_args(argv)
@@ -261,12 +274,17 @@ def main(argv=None):
     if args.limits:
         with open(args.limits) as f:
             known = {r["model"]: r["limit"] for r in json.load(f)["rows"]}
+    kept = {}
+    if args.keep_advice:
+        with open(args.keep_advice) as f:
+            kept = {r["model"]: r for r in json.load(f)["rows"]}
     if args.limits_without_waits:
         with open(args.limits_without_waits) as f:
             nowait = {r["model"]: r["limit"] for r in json.load(f)["rows"]}
     rows = []
     for name in args.models.split(","):
-        row = evaluate(name, BUDGETS[name], known.get(name), limit_only=args.limits_only, nowait=nowait.get(name))
+        row = evaluate(name, BUDGETS[name], known.get(name), limit_only=args.limits_only, nowait=nowait.get(name),
+                       keep=kept.get(name))
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:

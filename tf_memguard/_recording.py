@@ -187,7 +187,11 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
     no trace for it yet, the recorded step includes the tracing's own blocks (freed before
     the step's kernels run; a model takes those it cannot match as bounded, never as
     less). The model's weights and optimizer state are restored exactly, its metrics
-    reset."""
+    reset. Its requests do not wait for frees (the pool's wait is off meanwhile): the
+    memory model is of the step as it runs without waits, and a run that completed only
+    because its requests waited would prove a size at the budget's very edge (keras.io's
+    MNIST convnet after an OOM at 320: short runs at 240 completed with waits, and the
+    retry at 240 ran out in 1 of 3 processes; benchmarks/NOTES.md, "Waiting for frees")."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"fit_steps(steps={steps!r}): must be an int of at least 1")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
@@ -203,6 +207,8 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
     history = getattr(model, "history", None)
     _nested.append(True)
     gc.collect()
+    wait = recorder.pool.wait
+    recorder.pool.set_wait(0)
     try:
         model.fit(x, y, batch_size=batch_size, epochs=epochs, steps_per_epoch=steps if epochs == 1 else None,
                   verbose=0, shuffle=False, callbacks=[cb])
@@ -211,6 +217,7 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
         clear_chain(e)
         del e
     finally:
+        recorder.pool.set_wait(wait)
         _nested.pop()
         recorder.abort()
         _core.set_profile_batch(0)

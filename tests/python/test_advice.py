@@ -250,12 +250,14 @@ model.compile(loss="categorical_crossentropy", optimizer="adam", metrics=["accur
 
 
 def test_after_an_oom_the_suggestion_leaves_room_for_the_validation_arrays_copy():
+    # At 320: 240 runs out without waits, and with them trains in some processes
+    # (benchmarks/NOTES.md, "Waiting for frees"); 320 runs out either way.
     r = run(MNIST + """
 failed = not fit({batch}, [tf_memguard.MemGuardCallback(verbose=0)])
 gc.collect()
 size = tf_memguard.report().suggested_batch_size
 emit(failed=failed, size=size, retry=fit(size, []) if size else None)
-""".format(batch=240), env=HARD, timeout=900)
+""".format(batch=320), env=HARD, timeout=900)
     assert r.returncode == 0, r
     d = r.data
     assert d["failed"] and d["size"], d
