@@ -38,7 +38,10 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
             TensorFlow, "GPU:0" on Keras' torch backend).
         steps: the most training steps to run (2 at the first batch size tried, 1 at each
             next; at least 2). Defaults to 4: three sizes.
-        start: the first batch size tried. Defaults to 32 (or fewer samples).
+        start: the first batch size tried. Defaults to 32 (or fewer samples); where
+            that does not fit, it is halved until two steps complete (two steps at each
+            size tried, not counted in `steps`), and the answer lies below the sizes
+            refused.
 
     On Keras' JAX backend no step is run: the train step XLA compiles at a batch size
     gives its memory (memory_analysis()), and the answer is the largest size whose
@@ -52,8 +55,9 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         ValueError: the model is not compiled, there is no budget, x is empty, or x is
             not arrays (a tf.data dataset, a generator, a PyDataset: their batches are
             their own).
-        tf_memguard.OutOfBudgetError: not even the first batch size tried fits; the
-            message says which budget would.
+        tf_memguard.OutOfBudgetError: not even the first batch size tried fits (`start`
+            given), or not even a batch of 1 (`start` left to its default); the message
+            says which budget would.
 
     Example:
         >>> tf_memguard.install(max_bytes="1GiB")
@@ -113,11 +117,21 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         b1 = min(int(start) if start else 32, n)
         first = steps_at(b1, 2)
         snapshot.restore()
+        # The default first size is a guess, not the user's: a model whose limit lies
+        # below it (a transformer over long sequences, a segmentation network at a large
+        # image size) gets its size from halving it until two steps complete, each size
+        # refused a bound on the answer. An explicit `start` that does not fit raises.
+        refused = n + 1
+        while (first is None or not first.complete) and not start and b1 > 1:
+            refused, b1 = b1, b1 // 2
+            first = steps_at(b1, 2)
+            snapshot.restore()
         if first is None or not first.complete:
             m = StepModel.build(first, None) if first is not None else None
             need = f"; it needs more than {format_bytes(m.need(b1)['peak_account'] + sum(copies))}" if m else ""
             raise _core.OutOfBudgetError(f"find_batch_size: not even a batch of {b1} fits the {format_bytes(budget)} "
-                                         f"budget with this data{need}; pass a larger max_bytes or a smaller start")
+                                         f"budget with this data{need}; pass a larger max_bytes"
+                                         + (" or a smaller start" if b1 > 1 else ""))
         # What tf.data had prepared ahead, per sample, the most any complete step met:
         # each short run's recorded step can begin with all, some or none of the batches
         # prepared (tf.data's autotuned buffers fill as the machine lets them; a run of one
@@ -155,7 +169,10 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         # refusal, where that model says it is with what it was shown to fall short of
         # (else halfway to the refused size).
         good, current = first, build(first)
-        lower, too_large, used = None, n + 1, 2
+        lower, too_large, used = None, refused, 2
+        if too_large <= n:  # refused in the halving above: the model fell short there
+            short = max(0.0, (room - current.need(too_large)["peak_account"]) / too_large)
+            current = build(first)
         last_steps.clear()
         last_steps.append(first)
         while used + 1 <= steps:

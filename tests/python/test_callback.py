@@ -417,6 +417,38 @@ def test_find_batch_size_restores_the_model_exactly_and_its_answer_trains():
     assert r.data["fraction"] + r.data["copy"] / (128 << 20) >= 0.85, r.data
 
 
+def test_find_batch_size_halves_its_default_start_when_that_does_not_fit():
+    # keras.io's timeseries transformer (250 steps, 4 blocks) under 512 MiB trains at 17
+    # and not at 20: find_batch_size raised "not even a batch of 32 fits" instead of
+    # answering. Here the small CNN under 40 MiB (Keras' 12 MiB copy of the images and a
+    # 21 MiB convolution workspace leave room for about 16 samples).
+    r = run(SETUP, """
+        tf_memguard.install(max_bytes="40MiB")
+        m = make()
+        w0 = [w.copy() for w in m.get_weights()]
+        try:
+            tf_memguard.find_batch_size(m, x, y, start=32)
+            explicit = None
+        except tf_memguard.OutOfBudgetError as e:
+            explicit = str(e)
+        size = tf_memguard.find_batch_size(m, x, y)
+        same_w = all(np.array_equal(a, b) for a, b in zip(w0, m.get_weights()))
+        try:
+            m.fit(x, y, batch_size=size, epochs=2, verbose=0)
+            trained = True
+        except tf.errors.ResourceExhaustedError:
+            trained = False
+        emit(explicit=explicit, size=size, same_w=same_w, trained=trained)
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    # A start the user chose is not second-guessed: it raises, saying what to do.
+    assert d["explicit"] and d["explicit"].startswith("find_batch_size: not even a batch of 32 fits the 40.0 MiB") \
+        and "or a smaller start" in d["explicit"], d
+    assert 1 <= d["size"] < 32 and d["same_w"] is True, d
+    assert d["trained"] is True, f"find_batch_size's {d['size']} ran out of memory"
+
+
 def test_find_batch_size_refuses_a_dataset_with_a_clear_error_and_changes_nothing():
     # A batched dataset has a length (its batches) and was taken for 10 samples: the
     # answer was 10, meaningless; an infinite one raised TypeError("The dataset is infinite").
