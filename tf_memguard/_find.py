@@ -3,8 +3,9 @@ recorded steps of fit(), without a full run."""
 from tf_memguard import _backend, _core, _install
 from tf_memguard._fit_args import fed_nbytes, is_sliceable
 from tf_memguard._memory_model import StepModel, StepModels
-from tf_memguard._recording import (SHORTFALL_FLAGS, Snapshot, StepRecorder, abort_all, epoch_of, fit_steps, joined,
+from tf_memguard._recording import (SHORTFALL_FLAGS, StepRecorder, abort_all, epoch_of, fit_steps, joined,
                                     prepared_bytes, stale_batches, unmet_prepared, without_blocks)
+from tf_memguard._snapshot import Snapshot
 from tf_memguard._units import format_bytes, parse_bytes
 
 

@@ -6,7 +6,7 @@ While a batch size is being profiled, the TensorFlow plugin tags the kernel allo
 whose first dimension is that batch size (tfmg_set_profile_batch).
 
 fit_steps() runs a short fit() of its own (two steps, the second recorded, or one) and restores
-the model's weights and optimizer state exactly: the second batch size the memory model
+the model's variables and its optimizers' state exactly (_snapshot): the second batch size the memory model
 needs, a complete step after an out-of-memory error, and find_batch_size's measurements.
 Its steps run as fit() runs them (a lone train_on_batch step runs another graph: its batch
 comes from Python, not from fit()'s tf.data pipeline).
@@ -17,6 +17,7 @@ import traceback
 from tf_memguard import _backend, _core
 from tf_memguard._fit_args import fed_nbytes
 from tf_memguard._memory_model import _ALLOC, _FREE, _OVERSHOOT, StepTrace
+from tf_memguard._snapshot import Snapshot
 
 # Events one step may leave in the trace: a training step of the models seen makes
 # 100-5,000 allocations and as many frees (an LSTM over 64 time steps: about 4,500 of
@@ -83,43 +84,6 @@ class StepRecorder:
             self.pool.trace_start(0)
             self._live = None
         _active.discard(self)
-
-
-class Snapshot:
-    """The model's weights and optimizer state, restored exactly after a lone step."""
-
-    def __init__(self, model):
-        self.model = model
-        self.weights = [v.numpy().copy() for v in model.weights]
-        opt = getattr(model, "optimizer", None)
-        self.opt_built = bool(opt is not None and getattr(opt, "built", False))
-        self.opt_values = [v.numpy().copy() for v in opt.variables] if self.opt_built else None
-
-    def restore(self):
-        for v, value in zip(self.model.weights, self.weights):
-            v.assign(_in_pool(value))
-        opt = getattr(self.model, "optimizer", None)
-        if opt is None:
-            return
-        if self.opt_built:
-            for v, value in zip(opt.variables, self.opt_values):
-                v.assign(_in_pool(value))
-        elif getattr(opt, "built", False):
-            # Built by the lone step: back to the state build() creates (zeros, step 0).
-            for v in opt.variables:
-                v.assign(_in_pool(v.numpy() * 0))
-
-
-def _in_pool(value):
-    """`value` (a numpy array) as a tensor in the pool, for a variable to take over. On
-    TensorFlow a numpy array aligned to 64 bytes becomes a tensor on numpy's own memory,
-    and a variable assigned it keeps that memory, outside the pool and the budget (after
-    a restore, 4 of the zoo's wide MLP's 18.5 MiB of weights and optimizer state were);
-    DeepCopy's output is the allocator's. Keras on PyTorch copies into the variable."""
-    if _backend.framework() != "tensorflow":
-        return value
-    import tensorflow as tf
-    return tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(value))
 
 
 _nested = []  # fit_steps() running: MemGuardCallback leaves such steps alone
