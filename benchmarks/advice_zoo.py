@@ -37,6 +37,9 @@ sys.path.insert(0, {HERE!r})
 import tf_memguard
 def emit(**kw):
     print(json.dumps(kw), flush=True)
+def lr_of(m):
+    import keras
+    return float(keras.ops.convert_to_numpy(m.optimizer.learning_rate))
 """
 
 FIT = PRELUDE + """
@@ -60,6 +63,7 @@ tf_memguard.install(max_bytes={budget} << 20)
 import tensorflow as tf
 x, y, make = build({name!r})
 m = make()
+lr0 = lr_of(m)
 cb = tf_memguard.MemGuardCallback(verbose=0)
 note = None
 try:
@@ -74,12 +78,13 @@ else:
     gc.collect()
     rep = tf_memguard.report()
     size, method = rep.suggested_batch_size, rep.suggestion_method
+    lr_intact = lr_of(m) == lr0  # the short runs left the optimizer as it was
     try:
         m.fit(x, y, batch_size=size, epochs=2, verbose=0, callbacks=[cb])
         retry = True
     except tf.errors.ResourceExhaustedError:
         retry = False
-    emit(oom=True, suggested=size, retry_trained=retry, note=note[:600], method=method)
+    emit(oom=True, suggested=size, retry_trained=retry, note=note[:600], method=method, lr_intact=lr_intact)
 """
 
 FIND = PRELUDE + """
@@ -88,13 +93,15 @@ tf_memguard.install(max_bytes={budget} << 20)
 import tensorflow as tf
 x, y, make = build({name!r})
 m = make()
+lr0 = lr_of(m)
 size = tf_memguard.find_batch_size(m, x, y)
+lr_intact = lr_of(m) == lr0 and int(m.optimizer.iterations.numpy()) == 0
 try:
     m.fit(x, y, batch_size=size, epochs=2, verbose=0)
     trained = True
 except tf.errors.ResourceExhaustedError:
     trained = False
-emit(size=size, trained=trained)
+emit(size=size, trained=trained, lr_intact=lr_intact)
 """
 
 
@@ -204,7 +211,8 @@ def evaluate(name, budget, known=None, limit_only=False, nowait=None, keep=None)
         "after_oom_retry_trained": oom.get("retry_trained"), "oom_note": oom.get("note"),
         "after_oom_method": oom.get("method"),
         "find_batch_size": find["size"], "find_over_limit": round(find["size"] / limit, 3),
-        "find_trained": find["trained"], "divisor_run_batch": div, "divisor_suggested": suggested_div,
+        "find_trained": find["trained"], "after_oom_lr_intact": oom.get("lr_intact"),
+        "find_lr_intact": find.get("lr_intact"), "divisor_run_batch": div, "divisor_suggested": suggested_div,
         "divisor_over_limit": round(suggested_div / limit, 3) if suggested_div else None,
         "divisor_suggested_trains_2_of_2": trains_div, "fit_runs": trials.runs, "seconds": round(time.time() - t0, 1),
     }
@@ -244,6 +252,12 @@ def table(rows):
                 lines.append(f"{r['model']:<34}{r['limit_without_waits']:>7}"
                              + "".join(f"{str(r.get(k + '_over_limit_without_waits')):>8}"
                                        for k in ("suggested", "after_oom", "find", "divisor")))
+    checked = [r for r in rows if r.get("find_lr_intact") is not None]
+    if checked:
+        intact = sum(bool(r["find_lr_intact"]) for r in checked) + sum(bool(r.get("after_oom_lr_intact"))
+                                                                     for r in checked)
+        lines.append(f"optimizer left as it was (learning rate; iterations after find_batch_size): "
+                     f"{intact} of {2 * len(checked)} (after an OOM, find_batch_size)")
     ratios = [r["suggested_over_limit"] for r in rows if r["suggested_over_limit"]]
     if ratios:
         lines.append(f"advice/limit: min {min(ratios):.3f}, median {statistics.median(ratios):.3f}; "
