@@ -130,7 +130,9 @@ class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
                                         x=x if arrays else None, y=y if arrays else None,
                                         own_epochs=fit_args.get("steps_per_epoch") is None,
                                         dataset=x if _fit_args.is_dataset(x) else None,
-                                        validation=_fit_args.validation_arrays(fit_args))
+                                        validation=_fit_args.validation_arrays(fit_args),
+                                        partial=_fit_args.dataset_partial_batch(x)
+                                        if _fit_args.is_dataset(x) and self.batch_size is None else None)
         self._epoch = 0
         self._warned = False
         self._oom = None

@@ -102,6 +102,38 @@ def dataset_batch_size(dataset):
     return None
 
 
+# Transformations after batch() that keep its batches and their order (shuffle, repeat,
+# take, skip, filter and shard do not), so that every epoch ends with batch()'s last batch.
+_KEEPS_ORDER = frozenset({"_PrefetchDataset", "_MapDataset", "_ParallelMapDataset", "CacheDataset", "_CacheDataset",
+                          "_MemoryCacheDataset", "_OptionsDataset"})
+
+
+def dataset_partial_batch(dataset):
+    """The size of the partial batch that ends every epoch of a tf.data pipeline: where its
+    last batch() keeps the remainder, takes a dataset of a known, finite length (n), and is
+    reached through transformations that keep the batches and their order (prefetch, map,
+    cache), n mod the batch size (None when that is 0, or anything is not known)."""
+    import tensorflow as tf
+    for _ in range(256):
+        name = type(dataset).__name__
+        if name in _BATCHES:
+            try:
+                size = int(tf.get_static_value(dataset._batch_size))
+                drop = tf.get_static_value(dataset._drop_remainder)
+                n = int(dataset._input_dataset.cardinality().numpy())
+            except (AttributeError, TypeError, ValueError):
+                return None
+            if drop is None or bool(drop) or size <= 0 or n <= 0:
+                return None
+            return (n % size) or None
+        if name not in _KEEPS_ORDER:
+            return None
+        dataset = getattr(dataset, "_input_dataset", None)
+        if dataset is None:
+            return None
+    return None
+
+
 def training_samples(fit_args):
     """The samples fit() trains on, for arrays (after validation_split, as Keras splits:
     ceil(n * (1 - split))), else None."""

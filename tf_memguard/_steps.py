@@ -51,7 +51,7 @@ class StepSampler:
     """Records the steps of one fit() run and makes the StepModel of its training step."""
 
     def __init__(self, pool, batch_size, n_samples=None, steps_per_epoch=None, x=None, y=None, own_epochs=True,
-                 dataset=None, validation=None):
+                 dataset=None, validation=None, partial=None):
         self.pool = pool
         self.b0 = int(batch_size)
         self.steps = steps_per_epoch
@@ -83,6 +83,13 @@ class StepSampler:
             last = n_samples - (steps_per_epoch - 1) * self.b0
             if 0 < last < self.b0:
                 self.partial = last
+        elif partial and steps_per_epoch and 0 < partial < self.b0:
+            # A tf.data pipeline's own partial last batch (_fit_args.dataset_partial_batch):
+            # without it a dataset's run has one batch size, and a block that did not
+            # change with it is taken as possibly proportional (TensorFlow's convolution
+            # backprop caps its 20 MiB workspace; keras.io's text CNN on its string
+            # pipeline at 32 was advised 93 where 210 trains).
+            self.partial = int(partial)
         self._recording = None    # "first", "template" or "other", while a step is recorded
         self._nested_runs = 0
         self._model = None
