@@ -47,12 +47,12 @@ def is_dataset(data):
 
 
 def batch_size(fit_args):
-    """fit()'s batch size: its argument for arrays (Keras' default of 32 when None), else a
+    """fit()'s batch size: its argument for arrays or tensors (Keras' default of 32 when None), else a
     tf.data dataset's static batch dimension, else the size its batch() was given, else
     None."""
     import keras
     x = fit_args.get("x")
-    if is_arrays(x):
+    if is_arrays(x) or is_sliceable(x):  # tensors are batched by fit() as arrays are
         return fit_args.get("batch_size") or 32
     spec = getattr(x, "element_spec", None)
     if spec is None:
@@ -135,13 +135,16 @@ def dataset_partial_batch(dataset):
 
 
 def training_samples(fit_args):
-    """The samples fit() trains on, for arrays (after validation_split, as Keras splits:
-    ceil(n * (1 - split))), else None."""
+    """The samples fit() trains on, for arrays or tensors (after validation_split, as Keras
+    splits: ceil(n * (1 - split))), else None."""
     import keras
     x = fit_args.get("x")
-    if not is_arrays(x):
+    if not (is_arrays(x) or is_sliceable(x)):
         return None
-    n = min(len(a) for a in keras.tree.flatten(x))
+    firsts = [a.shape[0] for a in keras.tree.flatten(x)]
+    if any(f is None for f in firsts):
+        return None
+    n = min(int(f) for f in firsts)
     split = fit_args.get("validation_split") or 0.0
     if split and fit_args.get("validation_data") is None:
         n = int(-(-n * (1.0 - split) // 1))
