@@ -80,26 +80,35 @@ _KEEPS_BATCHES = frozenset({
 _BATCHES = frozenset({"_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset"})
 
 
-def dataset_batch_size(dataset):
-    """The batch size a tf.data pipeline's last batch() was given, found by walking from
-    `dataset` through transformations that keep batches (prefetch, map, shuffle, repeat,
-    cache, take, ...); None when another transformation (unbatch, rebatch, window, a
-    zip, ...) comes first, or there is no batch()."""
+def _last_batch(dataset, passes):
+    """The pipeline's last batch() node, reached from `dataset` through transformations
+    whose class names are in `passes`; None when another comes first, or none is found."""
     for _ in range(256):  # a pipeline is a chain; the bound only guards against a cycle
         name = type(dataset).__name__
         if name in _BATCHES:
-            size = getattr(dataset, "_batch_size", None)
-            try:
-                size = int(size.numpy()) if hasattr(size, "numpy") else int(size)
-            except (TypeError, ValueError):
-                return None
-            return size if size > 0 else None
-        if name not in _KEEPS_BATCHES:
+            return dataset
+        if name not in passes:
             return None
         dataset = getattr(dataset, "_input_dataset", None)
         if dataset is None:
             return None
     return None
+
+
+def dataset_batch_size(dataset):
+    """The batch size a tf.data pipeline's last batch() was given, found by walking from
+    `dataset` through transformations that keep batches (prefetch, map, shuffle, repeat,
+    cache, take, ...); None when another transformation (unbatch, rebatch, window, a
+    zip, ...) comes first, or there is no batch()."""
+    node = _last_batch(dataset, _KEEPS_BATCHES)
+    if node is None:
+        return None
+    size = getattr(node, "_batch_size", None)
+    try:
+        size = int(size.numpy()) if hasattr(size, "numpy") else int(size)
+    except (TypeError, ValueError):
+        return None
+    return size if size > 0 else None
 
 
 # Transformations after batch() that keep its batches and their order (shuffle, repeat,
@@ -114,24 +123,18 @@ def dataset_partial_batch(dataset):
     reached through transformations that keep the batches and their order (prefetch, map,
     cache), n mod the batch size (None when that is 0, or anything is not known)."""
     import tensorflow as tf
-    for _ in range(256):
-        name = type(dataset).__name__
-        if name in _BATCHES:
-            try:
-                size = int(tf.get_static_value(dataset._batch_size))
-                drop = tf.get_static_value(dataset._drop_remainder)
-                n = int(dataset._input_dataset.cardinality().numpy())
-            except (AttributeError, TypeError, ValueError):
-                return None
-            if drop is None or bool(drop) or size <= 0 or n <= 0:
-                return None
-            return (n % size) or None
-        if name not in _KEEPS_ORDER:
-            return None
-        dataset = getattr(dataset, "_input_dataset", None)
-        if dataset is None:
-            return None
-    return None
+    node = _last_batch(dataset, _KEEPS_ORDER)
+    if node is None:
+        return None
+    try:
+        size = int(tf.get_static_value(node._batch_size))
+        drop = tf.get_static_value(node._drop_remainder)
+        n = int(node._input_dataset.cardinality().numpy())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if drop is None or bool(drop) or size <= 0 or n <= 0:
+        return None
+    return (n % size) or None
 
 
 def training_samples(fit_args):
