@@ -112,13 +112,14 @@ def model_after_oom(sampler, model):
         # (The validation arrays' copy too: the short runs have no validation, and the
         # retry's later epochs hold it.)
         extra = _recording.joined(unmet(template), _recording.stale_batches(sampler.data.x, sampler.data.y,
-                                                                            template.batch_size),
+                                                                            template.batch_size, model),
                                   sampler.pipeline_extra(), sampler.data.unmet_copies(template, train=False))
         return StepModel.build(plain(template), plain(other) if other is not None else None,
                                extra_start=extra, epoch=sampler.data.epoch)
 
-    # Keras' torch backend (_recording.STALE_BATCHES; see ran()).
-    stale = _recording.stale_batches(sampler.data.x, sampler.data.y, 1) is not None
+    # Keras' torch backend (_recording.STALE_BATCHES; see ran()), and TensorFlow's loop of
+    # steps per execution (_recording.LOOP_BATCHES).
+    stale = _recording.stale_batches(sampler.data.x, sampler.data.y, 1, model) is not None
 
     def ran(trace):
         # A short run that completed proves its size for a retry that copies the

@@ -148,7 +148,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
             extra = joined(unmet_prepared(template, max(per_sample) * template.batch_size),
                            ([int(short * template.batch_size)], [SHORTFALL_FLAGS])
                            if short * template.batch_size >= align else None,
-                           stale_batches(x, y, template.batch_size))
+                           stale_batches(x, y, template.batch_size, model))
             return StepModel.build(template, other, extra_start=extra, epoch=epoch)
 
         def build(template, other=None):

@@ -174,8 +174,9 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
     wait = recorder.pool.wait
     recorder.pool.set_wait(0)
     try:
-        model.fit(x, y, batch_size=batch_size, epochs=epochs, steps_per_epoch=steps if epochs == 1 else None,
-                  verbose=0, shuffle=False, callbacks=[cb])
+        with _OneStepPerExecution(model):
+            model.fit(x, y, batch_size=batch_size, epochs=epochs, steps_per_epoch=steps if epochs == 1 else None,
+                      verbose=0, shuffle=False, callbacks=[cb])
     except _backend.oom_errors() as e:
         cb.failed()
         clear_chain(e)
@@ -330,17 +331,81 @@ def unmet_prepared(trace, most):
 STALE_BATCHES = 2
 
 
-def stale_batches(x, y, batch_size):
-    """Room, on Keras' torch backend, for the STALE_BATCHES batches before a step's own
-    that can still be live as it runs, as one more batch-tagged block at its start
-    ((sizes, flags) for StepModel.build's extra_start), or None (other backends, or no
-    arrays to size a batch by)."""
-    if _backend.framework() != "torch" or x is None:
+# Keras' TensorFlow trainer runs the steps of one execution (compile(steps_per_execution=k),
+# k > 1) in a tf.while_loop whose loop variables carry the next batch: the loop's body runs
+# the step on the batch fetched before and fetches the next one
+# (iterator.get_next_as_optional) beside it, so one batch more than a step of its own holds
+# can be live at the step's peak (keras/src/backend/tensorflow/trainer.py,
+# multi_step_on_iterator). The short runs' steps are one per execution (fit_steps).
+LOOP_BATCHES = 1
+
+
+def stale_batches(x, y, batch_size, model=None):
+    """Room for the batches beside a step's own that a short run's step does not show, as
+    one more batch-tagged block at its start ((sizes, flags) for StepModel.build's
+    extra_start), or None: on Keras' torch backend the STALE_BATCHES batches before it
+    that can still be live as it runs; on TensorFlow, with `model`'s steps_per_execution
+    above 1, the LOOP_BATCHES batches its loop fetches beside the step. None with neither,
+    or no arrays to size a batch by."""
+    if x is None:
+        return None
+    if _backend.framework() == "torch":
+        batches = STALE_BATCHES
+    elif _backend.framework() == "tensorflow" and steps_per_execution(model) > 1:
+        batches = LOOP_BATCHES
+    else:
         return None
     epoch = epoch_of(x, y, 1)
     if epoch is None:
         return None
-    return [int(STALE_BATCHES * epoch[1] * batch_size)], [SHORTFALL_FLAGS]
+    return [int(batches * epoch[1] * batch_size)], [SHORTFALL_FLAGS]
+
+
+def steps_per_execution(model):
+    """`model`'s compile(steps_per_execution=...) (1 when it has none, or for None)."""
+    try:
+        return max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+    except (TypeError, ValueError):
+        return 1  # "auto" before Keras has resolved it: one step per execution until then
+
+
+class _OneStepPerExecution:
+    """Within it, `model` runs one step per execution (its steps_per_execution set to 1,
+    and the train function for that in place); its own, and its function, are put back at
+    the end. A short run's steps are then one per callback, as fit_steps records them:
+    with k steps per execution Keras calls the batch hooks once per execution, with the
+    indices of its first and last step (0 and k - 1, then k and 2k - 1, ...), and the step
+    fit_steps records (the second) never began. keras.io's MNIST convnet compiled with
+    steps_per_execution=8 under 96 MiB: find_batch_size raised "not even a batch of 1
+    fits" where 184 trains, and the advice after an OOM named 0. The function made for one
+    step per execution is kept on the model for the next short run (a new one would trace
+    the step again), until the model is compiled again."""
+
+    _ATTR = "_tf_memguard_one_step_function"
+
+    def __init__(self, model):
+        self.model = model
+        self.k = steps_per_execution(model) if _backend.framework() == "tensorflow" else 1
+
+    def __enter__(self):
+        if self.k > 1:
+            m = self.model
+            self.saved = m.train_function
+            cached = getattr(m, self._ATTR, None)
+            config = getattr(m, "_compile_config", None)
+            m.steps_per_execution = 1
+            m.train_function = cached[1] if cached is not None and cached[0] is config else None
+        return self
+
+    def __exit__(self, *exc):
+        if self.k > 1:
+            m = self.model
+            if m.train_function is not None:
+                # (object.__setattr__: not an attribute Keras tracks, nor one saved.)
+                object.__setattr__(m, self._ATTR, (getattr(m, "_compile_config", None), m.train_function))
+            m.steps_per_execution = self.k
+            m.train_function = self.saved
+        return False
 
 
 def joined(*extras):

@@ -67,6 +67,7 @@ class StepSampler:
         # unknown batch dimension) stands for the sizes that do not divide them.
         self.static = self.tf and bool(n_samples) and n_samples % self.b0 == 0
         self.lone = None
+        self.lone_extra = None
         self.template = None      # the steady steps' (the highest of them)
         self.template_peak = -1
         # The full step at b0 whose own order of allocations, with its batch-shaped blocks
@@ -183,6 +184,10 @@ class StepSampler:
         if epoch == 0 and (self.template or self.first) is not None and self.other is None and self.b0 > 1:
             self.lone = self.short_fit(model, max(1, self.b0 // 2))
             self.other = self.lone if self.lone is not None and self.lone.complete else None
+            # What a step of the run holds beside its own batch that the short run's step
+            # (one step per execution) did not: the batch steps_per_execution's loop fetches.
+            self.lone_extra = _recording.stale_batches(self.data.x, self.data.y, self.lone.batch_size, model) \
+                if self.lone is not None else None
             self._model = None
 
     def train_end(self):
@@ -254,7 +259,8 @@ class StepSampler:
                 models.append(StepModel.build(self.lone, start, epoch=self.data.epoch, order_bytes=order,
                                               order_batch=self.b0,
                                               layout_bytes=self.layout_bytes(),
-                                              extra_start=self.data.unmet_copies(self.lone)))
+                                              extra_start=_recording.joined(self.data.unmet_copies(self.lone),
+                                                                            self.lone_extra)))
                 domains.append("dynamic")
             self._model = StepModels(models, domains, samples=self.data.n if self.tf else None)
         return self._model

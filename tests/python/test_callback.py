@@ -469,6 +469,60 @@ def test_find_batch_size_halves_its_default_start_when_that_does_not_fit():
     assert 16 < d["size"] < 32, d
 
 
+def test_steps_per_execution_gets_find_batch_size_and_the_advice_after_an_oom():
+    # keras.io's MNIST convnet compiled with steps_per_execution=8 under 96 MiB (184
+    # trains, with no request waiting): Keras calls the batch hooks once per execution of 8
+    # steps, and the short runs' recorded second step never began. find_batch_size raised
+    # "not even a batch of 1 fits", and after an OOM at 320 the suggestion was 0. The
+    # short runs now run one step per execution (the model's own is put back), with room
+    # for the batch the loop of steps fetches beside each step.
+    r = run("""
+        import gc, numpy as np, tensorflow as tf, keras, tf_memguard
+        from keras import layers
+        tf_memguard.install(max_bytes="96MiB")
+        rng = np.random.default_rng(7)
+        x = rng.random((6000, 28, 28, 1), dtype=np.float32)
+        y = np.eye(10, dtype="float32")[rng.integers(0, 10, 6000)]
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([
+            keras.Input(shape=(28, 28, 1)),
+            layers.Conv2D(32, kernel_size=(3, 3), activation="relu"), layers.MaxPooling2D(pool_size=(2, 2)),
+            layers.Conv2D(64, kernel_size=(3, 3), activation="relu"), layers.MaxPooling2D(pool_size=(2, 2)),
+            layers.Flatten(), layers.Dropout(0.5), layers.Dense(10, activation="softmax")])
+        m.compile(loss="categorical_crossentropy", optimizer="adam", metrics=["accuracy"], steps_per_execution=8)
+        size = tf_memguard.find_batch_size(m, x, y)
+        spe = m.steps_per_execution
+        try:
+            m.fit(x, y, batch_size=size, epochs=2, verbose=0)
+            trained = True
+        except tf.errors.ResourceExhaustedError:
+            trained = False
+        own_function = m.train_function
+        try:
+            m.fit(x, y, batch_size=320, epochs=2, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            oom = False
+        except tf.errors.ResourceExhaustedError:
+            oom = True
+        gc.collect()
+        after = tf_memguard.report().suggested_batch_size
+        try:
+            m.fit(x, y, batch_size=after, epochs=2, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            retry = True
+        except tf.errors.ResourceExhaustedError:
+            retry = False
+        emit(size=size, spe=spe, trained=trained, oom=oom, after=after, retry=retry,
+             spe_after=m.steps_per_execution, same_function=m.train_function is own_function)
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["spe"] == 8 and d["spe_after"] == 8 and d["same_function"], d  # the model's own put back
+    assert d["trained"] is True, f"find_batch_size's {d['size']} ran out of memory"
+    assert d["oom"] is True, d
+    assert d["retry"] is True, f"the suggestion after the OOM, {d['after']}, ran out of memory"
+    # 175-176 and 178 named (2026-12-05); 184 trains without a request waiting.
+    assert d["size"] >= 150 and d["after"] >= 150, d
+
+
 def test_find_batch_size_refuses_a_dataset_with_a_clear_error_and_changes_nothing():
     # A batched dataset has a length (its batches) and was taken for 10 samples: the
     # answer was 10, meaningless; an infinite one raised TypeError("The dataset is infinite").
