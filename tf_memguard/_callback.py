@@ -8,7 +8,7 @@ import warnings
 
 import keras
 
-from tf_memguard import _advice, _backend, _fit_args, _guard, _install, _monitor, _recording, _report, _workers
+from tf_memguard import _advice, _backend, _confirm, _fit_args, _guard, _install, _monitor, _recording, _report, _workers
 from tf_memguard._errors import budget_exceeded_error
 from tf_memguard._failures import FailureHandling
 from tf_memguard._steps import StepSampler
@@ -226,7 +226,11 @@ class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
         if not self._active:
             return
         self._unwrap_train_function()
-        self._finish()
+        # A size above the run's is named once a step at it completed, run when the
+        # suggestion is first read (_confirm: fit()'s copy of the data is in the pool now).
+        s = self._suggestion
+        confirm = bool(self._sampler and s and s.batch_size > self._run_batch and self._cluster is None)
+        self._finish(_confirm.resolver(self) if confirm else None)
 
     # -- advice --------------------------------------------------------------------------
 

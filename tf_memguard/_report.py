@@ -92,7 +92,8 @@ class Report:
     cluster: dict = None
     devices: dict = None
 
-    # Worked out on first reading (after an out-of-memory error): a callable that sets them.
+    # Worked out on first reading (after an out-of-memory error; confirmed, when above the
+    # running size): a callable that sets them.
     _LAZY = frozenset(("suggested_batch_size", "suggestion_method", "advice", "memory_model"))
     _pending = None
 
@@ -165,7 +166,11 @@ class Report:
         if self.predating_bytes:
             lines.append(f"allocated before the budget was set: {format_bytes(self.predating_bytes)}")
         suggested, method = self.__dict__["suggested_batch_size"], self.__dict__["suggestion_method"]
-        if self.pending():
+        if self.pending() and suggested:
+            now = f" (now {self.batch_size})" if self.batch_size else ""
+            lines.append(f"batch size that fits the budget: {suggested}{now} by {method}; confirmed by a step at "
+                         "it when report().suggested_batch_size is read")
+        elif self.pending():
             lines.append("batch size that fits the budget: worked out when report().suggested_batch_size is "
                          "read (after the except block and gc.collect())")
         elif suggested:

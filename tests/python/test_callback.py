@@ -523,6 +523,55 @@ def test_steps_per_execution_gets_find_batch_size_and_the_advice_after_an_oom():
     assert d["size"] >= 150 and d["after"] >= 150, d
 
 
+CONV3D = """
+import numpy as np, tensorflow as tf, keras, tf_memguard
+from keras import layers
+tf_memguard.install(max_bytes="512MiB")
+rng = np.random.default_rng(10)
+x = rng.random((256, 32, 32, 16, 1), dtype=np.float32)
+y = rng.integers(0, 2, 256).astype("float32")
+keras.utils.set_random_seed(0)
+inputs = keras.Input((32, 32, 16, 1))
+h = layers.Conv3D(filters=32, kernel_size=3, activation="relu", padding="same")(inputs)
+h = layers.MaxPool3D(pool_size=2)(h)
+h = layers.BatchNormalization()(h)
+h = layers.Conv3D(filters=64, kernel_size=3, activation="relu", padding="same")(h)
+h = layers.MaxPool3D(pool_size=2)(h)
+h = layers.BatchNormalization()(h)
+h = layers.GlobalAveragePooling3D()(h)
+h = layers.Dense(units=128, activation="relu")(h)
+h = layers.Dropout(0.3)(h)
+m = keras.Model(inputs, layers.Dense(units=1, activation="sigmoid")(h))
+m.compile(loss="binary_crossentropy", optimizer=keras.optimizers.Adam(1e-4), metrics=["acc"])
+"""
+
+
+def test_a_suggestion_above_the_running_size_trains():
+    # keras.io's 3D CNN (shrunk to 32x32x16 volumes) under 512 MiB at 14: the model of its
+    # steps at 14 and 4 named 85, which ran out at once. TensorFlow's CPU Conv3D backprop
+    # takes a fixed 290 MiB scratch buffer (on this machine's cache size) only from 16
+    # samples on (conv_grad_ops_3d.cc, kMaxTempAllocationOverhead), which no step below
+    # showed. A size above the running one is now named only once a step at it completed.
+    r = run(CONV3D, """
+        cb = tf_memguard.MemGuardCallback(verbose=0)
+        m.fit(x, y, batch_size=14, epochs=2, verbose=0, callbacks=[cb])
+        rep = tf_memguard.report()
+        emit(size=rep.suggested_batch_size, method=rep.suggestion_method)
+    """, env=HARD)
+    assert r.returncode == 0, r
+    size = r.data["size"]
+    assert size >= 14, r.data  # the running size trained
+    fit = run(CONV3D, f"""
+        try:
+            m.fit(x, y, batch_size={size}, epochs=2, verbose=0)
+            emit(trained=True)
+        except tf.errors.ResourceExhaustedError:
+            emit(trained=False)
+    """, env=HARD)
+    assert fit.returncode == 0, fit
+    assert fit.data["trained"] is True, f"the suggestion {size} ran out of memory: {r.data['method']}"
+
+
 def test_find_batch_size_refuses_a_dataset_with_a_clear_error_and_changes_nothing():
     # A batched dataset has a length (its batches) and was taken for 10 samples: the
     # answer was 10, meaningless; an infinite one raised TypeError("The dataset is infinite").

@@ -1,0 +1,99 @@
+"""Before the report names a batch size larger than the run's: a short run of fit() at it.
+
+The memory model draws a line through each block of the steps it saw, and a line cannot
+show what a kernel does only at larger sizes. TensorFlow's CPU Conv3D backprop kernels
+take a fixed scratch buffer of a whole group of images (the L3 cache's worth; 290 MiB for
+keras.io's 3D CNN at 32x32x16 on this machine) only once the batch's tensors are large
+enough for that buffer to be at most 25 times their size, and run a slower kernel with
+no buffer below that (conv_grad_ops_3d.cc, kMaxTempAllocationOverhead): from steps at 14
+the model named 85 under 512 MiB, where every size from 16 needs the buffer, and 85 ran
+out at once. So a size above the running one is named only once a step at it completed,
+in a short run of fit() on all the data (its requests not waiting for frees, as the
+memory model's steps): the model picks where to look, the runs decide, as after an
+out-of-memory error and in find_batch_size. A refused run shows the model short there:
+the next size is the largest that fits both the model and the model of the refused step
+(the retry's first step, lined up with the run's template; a block only it made is
+fixed below its size), and halfway to it where that is no higher. The answer is the
+largest size that completed, and at least the running size, which trained.
+
+The runs are made when the suggestion is first read (report().suggested_batch_size), not
+at the run's end: until fit() returns, its copy of the arrays is still in the pool, and a
+short run beside it would need the budget twice over for the data (the zoo's GRU: 453 was
+refused beside it, and trains).
+"""
+import dataclasses
+import warnings
+import weakref
+
+from tf_memguard._memory_model import StepModel, StepModels
+
+# Short runs at most (one step each): the suggestion, then two sizes below a refusal.
+CONFIRM_RUNS = 3
+
+
+def confirmed(sampler, keras_model, model, suggestion, budget):
+    """`suggestion` (an _advice.Suggestion of `model`, the run's StepModels) as a short run
+    at its size shows it, or as the runs below a refusal leave it: unchanged when it is no
+    larger than the running size (sampler.b0, which trained), or when a step at it
+    completed; else the largest size whose step completed (at least the running size),
+    its method saying so. Unchanged too where no short run can be made (no arrays, and no
+    dataset to sample them from)."""
+    size = suggestion.batch_size if suggestion is not None else 0
+    good = sampler.b0
+    if size <= good or not sampler.data.usable or not sampler.data.sample_dataset(size) or \
+            (sampler.data.n or 0) < size:
+        return suggestion
+    base = sampler.template or sampler.first
+    refused, current = [], model
+    for _ in range(CONFIRM_RUNS):
+        trace = sampler.short_fit(keras_model, size, all_samples=True, steps=1)
+        if trace is not None and trace.complete:
+            good = size
+            break
+        refused.append(size)
+        if trace is not None and base is not None:
+            failed = StepModel.build(trace, base, first=True, epoch=sampler.data.epoch, fresh=False)
+            current = StepModels([current, failed])
+        nxt = min(current.largest_fitting(budget, at_most=size - 1), size - 1)
+        if nxt <= good:
+            nxt = (good + size) // 2
+        if nxt <= good:
+            break
+        size = nxt
+    if not refused:
+        return dataclasses.replace(suggestion, method=suggestion.method + f"; a step at {good} completed")
+    what = (f"; short runs at {', '.join(str(b) for b in refused)} were refused (the steps recorded did not show "
+            f"all that larger sizes need), so the largest size that ran, {good}")
+    return dataclasses.replace(suggestion, batch_size=int(good), method=suggestion.method + what,
+                               predicted_peak_bytes=int(model.need(good)["peak_account"]))
+
+
+def resolver(callback):
+    """The report's pending suggestion of `callback`'s run (MemGuardCallback), confirmed
+    when first read (confirmed()), if the Keras model still exists: the report holds it
+    weakly (a report kept must not keep the model alive)."""
+    from tf_memguard import _advice
+    keras_model, sampler = weakref.ref(callback.model), callback._sampler
+    suggestion, budget, running = callback._suggestion, callback._budget, callback._run_batch
+
+    def resolve(report):
+        s = suggestion
+        m = keras_model()
+        if m is not None and callback._sampler is sampler:  # not a later run's
+            try:
+                s = confirmed(sampler, m, sampler.model(), suggestion, budget)
+            except Exception as e:  # noqa: BLE001 - reading the report must not fail
+                warnings.warn(f"tf_memguard: the suggested batch size {suggestion.batch_size} could not be "
+                              f"confirmed by a step at it ({type(e).__name__}: {e}); the running size {running} "
+                              "trained", stacklevel=4)
+                s = dataclasses.replace(suggestion, batch_size=int(running),
+                                        method=suggestion.method + f"; not confirmed, so the size that ran, {running}")
+            finally:
+                sampler.train_end()
+            callback._suggestion = s
+        elif m is None:
+            s = dataclasses.replace(suggestion, method=suggestion.method + "; not confirmed (the model is gone)")
+        report.suggested_batch_size = s.batch_size
+        report.suggestion_method = s.method
+        report.advice = _advice.advice_sentence(s, running)
+    return resolve
