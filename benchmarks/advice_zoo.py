@@ -31,7 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 PRELUDE = f"""
-import os, sys, json, gc
+import os, sys, json, gc, time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, {HERE!r})
 import tf_memguard
@@ -52,7 +52,10 @@ cb = tf_memguard.MemGuardCallback(verbose=0)
 try:
     m.fit(x, y, batch_size={batch}, epochs=2, verbose=0, callbacks=[cb])
     rep = tf_memguard.report()
-    emit(fits=True, suggested=rep.suggested_batch_size, peak=rep.peak_bytes)
+    t0 = time.time()
+    suggested = rep.suggested_batch_size  # a size above the run's is confirmed by a step at it when read
+    emit(fits=True, suggested=suggested, peak=rep.peak_bytes, method=rep.suggestion_method,
+         read_seconds=round(time.time() - t0, 2))
 except tf.errors.ResourceExhaustedError as e:
     emit(fits=False)
 """
@@ -168,11 +171,12 @@ def divisor_batch(n, limit):
     return b
 
 
-def evaluate(name, budget, known=None, limit_only=False, nowait=None, keep=None):
+def evaluate(name, budget, known=None, limit_only=False, nowait=None, keep=None, keep_after=None):
     """The row of model `name`; `known`: its limit from an earlier run (no bisection);
     `limit_only`: the limit alone (its bisection's runs kept); `nowait`: its limit with
     install(wait=0), from an earlier run, for the ratios against it too; `keep`: its row of an
-    earlier run, whose advice columns are kept."""
+    earlier run, whose advice columns are kept; `keep_after`: its row of an earlier run, whose
+    after-OOM and find_batch_size columns are kept (only the advice is measured again)."""
     t0 = time.time()
     trials = Trials(name, budget)
     if known:
@@ -196,8 +200,15 @@ def evaluate(name, budget, known=None, limit_only=False, nowait=None, keep=None)
         advised = run(FIT.format(name=name, budget=budget, batch=half))
         suggested = advised.get("suggested") if advised["fits"] else None
         trains = bool(suggested) and trials.fits(suggested)
-    oom = run(OOM.format(name=name, budget=budget, batch=int(limit * 1.6)))
-    find = run(FIND.format(name=name, budget=budget))
+    if keep_after:
+        oom = {"oom": keep_after["oom_raised"], "suggested": keep_after["after_oom_suggested"],
+               "retry_trained": keep_after["after_oom_retry_trained"], "note": keep_after.get("oom_note"),
+               "method": keep_after.get("after_oom_method"), "lr_intact": keep_after.get("after_oom_lr_intact")}
+        find = {"size": keep_after["find_batch_size"], "trained": keep_after["find_trained"],
+                "lr_intact": keep_after.get("find_lr_intact")}
+    else:
+        oom = run(OOM.format(name=name, budget=budget, batch=int(limit * 1.6)))
+        find = run(FIND.format(name=name, budget=budget))
     if not keep:
         advised_div = run(FIT.format(name=name, budget=budget, batch=div))
         suggested_div = advised_div.get("suggested") if advised_div["fits"] else None
@@ -220,6 +231,11 @@ def evaluate(name, budget, known=None, limit_only=False, nowait=None, keep=None)
         row["limit_from"] = "an earlier run's bisection (--limits)"
     if keep:
         row["advice_from"] = "an earlier run's (--keep-advice): the advice and at-2^k columns"
+    if keep_after:
+        row["after_oom_and_find_from"] = "an earlier run's (--keep-after-oom): the after-OOM and find columns"
+    if not keep:
+        row["suggestion_method"] = advised.get("method")
+        row["divisor_suggestion_method"] = advised_div.get("method")
     if nowait:
         # The memory model is of the step as it runs without waits: its answers against
         # the largest size that trains with install(wait=0) too (NOTES, "Waiting for frees").
@@ -281,6 +297,9 @@ def main(argv=None):
     ap.add_argument("--keep-advice", default=None,
                     help="a JSON written by this script: keep its advice columns (after two epochs at half the "
                          "limit, and at a power of two) and measure the rest again")
+    ap.add_argument("--keep-after-oom", default=None,
+                    help="a JSON written by this script: keep its after-OOM and find_batch_size columns and "
+                         "measure the advice columns again")
     ap.add_argument("--limits-only", action="store_true",
                     help="bisect each model's limit and stop there (rows of model, budget and limit, for --limits)")
     args = ap.parse_args(argv)
@@ -292,13 +311,17 @@ def main(argv=None):
     if args.keep_advice:
         with open(args.keep_advice) as f:
             kept = {r["model"]: r for r in json.load(f)["rows"]}
+    kept_after = {}
+    if args.keep_after_oom:
+        with open(args.keep_after_oom) as f:
+            kept_after = {r["model"]: r for r in json.load(f)["rows"]}
     if args.limits_without_waits:
         with open(args.limits_without_waits) as f:
             nowait = {r["model"]: r["limit"] for r in json.load(f)["rows"]}
     rows = []
     for name in args.models.split(","):
         row = evaluate(name, BUDGETS[name], known.get(name), limit_only=args.limits_only, nowait=nowait.get(name),
-                       keep=kept.get(name))
+                       keep=kept.get(name), keep_after=kept_after.get(name))
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:
