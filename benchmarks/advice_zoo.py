@@ -171,12 +171,12 @@ def divisor_batch(n, limit):
     return b
 
 
-def evaluate(name, budget, known=None, limit_only=False, nowait=None, keep=None, keep_after=None):
+def evaluate(name, budget, known=None, limit_only=False, nowait=None, keep=None, keep_find=None):
     """The row of model `name`; `known`: its limit from an earlier run (no bisection);
     `limit_only`: the limit alone (its bisection's runs kept); `nowait`: its limit with
     install(wait=0), from an earlier run, for the ratios against it too; `keep`: its row of an
-    earlier run, whose advice columns are kept; `keep_after`: its row of an earlier run, whose
-    after-OOM and find_batch_size columns are kept (only the advice is measured again)."""
+    earlier run, whose advice columns are kept; `keep_find`: its row of an earlier run, whose
+    find_batch_size column is kept."""
     t0 = time.time()
     trials = Trials(name, budget)
     if known:
@@ -200,14 +200,11 @@ def evaluate(name, budget, known=None, limit_only=False, nowait=None, keep=None,
         advised = run(FIT.format(name=name, budget=budget, batch=half))
         suggested = advised.get("suggested") if advised["fits"] else None
         trains = bool(suggested) and trials.fits(suggested)
-    if keep_after:
-        oom = {"oom": keep_after["oom_raised"], "suggested": keep_after["after_oom_suggested"],
-               "retry_trained": keep_after["after_oom_retry_trained"], "note": keep_after.get("oom_note"),
-               "method": keep_after.get("after_oom_method"), "lr_intact": keep_after.get("after_oom_lr_intact")}
-        find = {"size": keep_after["find_batch_size"], "trained": keep_after["find_trained"],
-                "lr_intact": keep_after.get("find_lr_intact")}
+    oom = run(OOM.format(name=name, budget=budget, batch=int(limit * 1.6)))
+    if keep_find:
+        find = {"size": keep_find["find_batch_size"], "trained": keep_find["find_trained"],
+                "lr_intact": keep_find.get("find_lr_intact")}
     else:
-        oom = run(OOM.format(name=name, budget=budget, batch=int(limit * 1.6)))
         find = run(FIND.format(name=name, budget=budget))
     if not keep:
         advised_div = run(FIT.format(name=name, budget=budget, batch=div))
@@ -231,8 +228,8 @@ def evaluate(name, budget, known=None, limit_only=False, nowait=None, keep=None,
         row["limit_from"] = "an earlier run's bisection (--limits)"
     if keep:
         row["advice_from"] = "an earlier run's (--keep-advice): the advice and at-2^k columns"
-    if keep_after:
-        row["after_oom_and_find_from"] = "an earlier run's (--keep-after-oom): the after-OOM and find columns"
+    if keep_find:
+        row["find_from"] = "an earlier run's (--keep-find): the find_batch_size column"
     if not keep:
         row["suggestion_method"] = advised.get("method")
         row["divisor_suggestion_method"] = advised_div.get("method")
@@ -297,9 +294,9 @@ def main(argv=None):
     ap.add_argument("--keep-advice", default=None,
                     help="a JSON written by this script: keep its advice columns (after two epochs at half the "
                          "limit, and at a power of two) and measure the rest again")
-    ap.add_argument("--keep-after-oom", default=None,
-                    help="a JSON written by this script: keep its after-OOM and find_batch_size columns and "
-                         "measure the advice columns again")
+    ap.add_argument("--keep-find", default=None,
+                    help="a JSON written by this script: keep its find_batch_size column and measure the "
+                         "others again")
     ap.add_argument("--limits-only", action="store_true",
                     help="bisect each model's limit and stop there (rows of model, budget and limit, for --limits)")
     args = ap.parse_args(argv)
@@ -311,17 +308,17 @@ def main(argv=None):
     if args.keep_advice:
         with open(args.keep_advice) as f:
             kept = {r["model"]: r for r in json.load(f)["rows"]}
-    kept_after = {}
-    if args.keep_after_oom:
-        with open(args.keep_after_oom) as f:
-            kept_after = {r["model"]: r for r in json.load(f)["rows"]}
+    kept_find = {}
+    if args.keep_find:
+        with open(args.keep_find) as f:
+            kept_find = {r["model"]: r for r in json.load(f)["rows"]}
     if args.limits_without_waits:
         with open(args.limits_without_waits) as f:
             nowait = {r["model"]: r["limit"] for r in json.load(f)["rows"]}
     rows = []
     for name in args.models.split(","):
         row = evaluate(name, BUDGETS[name], known.get(name), limit_only=args.limits_only, nowait=nowait.get(name),
-                       keep=kept.get(name), keep_after=kept_after.get(name))
+                       keep=kept.get(name), keep_find=kept_find.get(name))
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:

@@ -38,6 +38,9 @@ def main(argv=None):
                         verbose=2, callbacks=[tf_memguard.MemGuardCallback()])
 
     report = tf_memguard.report()
+    # Read here, a suggestion above the running size is confirmed by a step at it first.
+    if report.suggested_batch_size:
+        print(f"batch size that fits the budget: {report.suggested_batch_size} ({report.suggestion_method})")
     os.makedirs(args.out, exist_ok=True)
     report.to_json(os.path.join(args.out, "report.json"))
     try:
