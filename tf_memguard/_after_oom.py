@@ -179,19 +179,23 @@ def model_after_oom(sampler, model):
     current = with_failed(build(good))
     completed = [good]
     refused = False
+    # Where the descent went below b0 // 2 (a short run was refused there), the size that
+    # completed is DESCENT times under one refused, and a model of that one small size
+    # takes every block it cannot pair as proportional, naming little more than its size:
+    # keras.io's MNIST convnet after an OOM at 320 under 96 MiB (148 trains): 160 refused,
+    # 40 completed, and its model named 54, then 89, then 107, where the runs ended (107;
+    # in other processes 160 completed at once). There each run goes at least halfway to
+    # the smallest size refused. Not where b0 // 2 completed: the size refused is then
+    # the failed one, 1.6 times the limit in the zoo's runs, and halfway lies far above it
+    # (the zoo's transformer: 376 refused, then 313, and the answer 263 where 291 was).
+    halve = sampler.too_large < sampler.b0
     for _ in range(ASCENT_RUNS):
         halfway = (good.batch_size + sampler.too_large) // 2
         if refused:
             size = halfway
         else:
-            # Where the model says, but at least halfway to the smallest size refused: a
-            # model of one small size takes every block it cannot pair as proportional and
-            # can name little more than that size. keras.io's MNIST convnet after an OOM at
-            # 320 under 96 MiB (148 trains): 160 refused, 40 completed, and its model named
-            # 54, then 89, then 107, where the runs ended: 107, where in other processes 160
-            # completed at once. Each run now at least halves what is left to search.
-            size = min(max(current.largest_fitting(limit(), at_most=sampler.data.n), halfway),
-                       sampler.too_large - 1)
+            size = current.largest_fitting(limit(), at_most=sampler.data.n)
+            size = min(max(size, halfway) if halve else size, sampler.too_large - 1)
         if size <= good.batch_size:
             break
         trace = sampler.short_fit(model, size, all_samples=True)

@@ -71,15 +71,16 @@ def confirmed(sampler, keras_model, model, suggestion, budget):
 def resolver(callback):
     """The report's pending suggestion of `callback`'s run (MemGuardCallback), confirmed
     when first read (confirmed()), if the Keras model still exists: the report holds it
-    weakly (a report kept must not keep the model alive)."""
+    weakly, and the callback too (which holds the model while it lives): a report kept
+    must not keep the model alive."""
     from tf_memguard import _advice
-    keras_model, sampler = weakref.ref(callback.model), callback._sampler
+    keras_model, sampler, owner = weakref.ref(callback.model), callback._sampler, weakref.ref(callback)
     suggestion, budget, running = callback._suggestion, callback._budget, callback._run_batch
 
     def resolve(report):
         s = suggestion
-        m = keras_model()
-        if m is not None and callback._sampler is sampler:  # not a later run's
+        m, cb = keras_model(), owner()
+        if m is not None and (cb is None or cb._sampler is sampler):  # not a later run's
             try:
                 s = confirmed(sampler, m, sampler.model(), suggestion, budget)
             except Exception as e:  # noqa: BLE001 - reading the report must not fail
@@ -90,9 +91,11 @@ def resolver(callback):
                                         method=suggestion.method + f"; not confirmed, so the size that ran, {running}")
             finally:
                 sampler.train_end()
-            callback._suggestion = s
-        elif m is None:
-            s = dataclasses.replace(suggestion, method=suggestion.method + "; not confirmed (the model is gone)")
+            if cb is not None:
+                cb._suggestion = s
+        else:
+            why = "the model is gone" if m is None else "read after the callback's next fit() began"
+            s = dataclasses.replace(suggestion, method=suggestion.method + f"; not confirmed by a step ({why})")
         report.suggested_batch_size = s.batch_size
         report.suggestion_method = s.method
         report.advice = _advice.advice_sentence(s, running)

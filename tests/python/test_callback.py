@@ -572,6 +572,37 @@ def test_a_suggestion_above_the_running_size_trains():
     assert fit.data["trained"] is True, f"the suggestion {size} ran out of memory: {r.data['method']}"
 
 
+def test_a_suggestion_to_confirm_is_read_once_and_the_report_keeps_no_model_alive():
+    # The confirmation runs when the suggestion is first read; the report (held as
+    # report()'s until the next run) holds the model and the callback weakly.
+    r = run(SETUP, """
+        import gc, weakref
+        tf_memguard.install(max_bytes="128MiB")
+        m = make()
+        cb = tf_memguard.MemGuardCallback(verbose=0)
+        m.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[cb])
+        rep = tf_memguard.report()
+        pending, printed = rep.pending(), str(rep)
+        size, method = rep.suggested_batch_size, rep.suggestion_method
+        again = rep.suggested_batch_size
+        m2 = make()
+        m2.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        rep2 = tf_memguard.report()
+        ref = weakref.ref(m2)
+        del m2
+        gc.collect()
+        emit(pending=pending, printed=printed, size=size, method=method, again=again, alive=ref() is not None,
+             gone=rep2.suggestion_method)
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["pending"] and "confirmed by a step at it when report().suggested_batch_size is read" in d["printed"], d
+    assert d["size"] > 64 and d["method"].endswith(f"a step at {d['size']} completed"), d
+    assert d["again"] == d["size"], d   # worked out once
+    assert d["alive"] is False, "the report kept the model alive"
+    assert "not confirmed by a step (the model is gone)" in d["gone"], d
+
+
 def test_find_batch_size_refuses_a_dataset_with_a_clear_error_and_changes_nothing():
     # A batched dataset has a length (its batches) and was taken for 10 samples: the
     # answer was 10, meaningless; an infinite one raised TypeError("The dataset is infinite").
