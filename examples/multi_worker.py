@@ -14,6 +14,7 @@ On a real cluster, run the worker part on each machine with its own TF_CONFIG:
     python examples/multi_worker.py --task 1 --ports 2222,2222 --hosts host-a,host-b --budget 6GiB
 """
 import argparse
+import faulthandler
 import json
 import os
 import socket
@@ -56,6 +57,9 @@ def fix_keras_multi_worker(strategy):
 
 
 def worker(args):
+    # A worker still running 10 s before the launcher gives up prints every thread's
+    # stack, so that a hang shows where it is (the launcher prints the workers' output).
+    faulthandler.dump_traceback_later(max(args.timeout - 10, 1), exit=False)
     hosts = args.hosts.split(",") if args.hosts else ["127.0.0.1"] * len(args.ports.split(","))
     cluster = [f"{h}:{p}" for h, p in zip(hosts, args.ports.split(","))]
     os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": cluster},
@@ -117,7 +121,8 @@ def launch(args):
     for i in range(args.workers):
         cmd = [sys.executable, os.path.abspath(__file__), "--task", str(i), "--ports", ports, "--budget", budgets[i],
                "--batch-size", str(args.batch_size), "--epochs", str(args.epochs), "--samples", str(args.samples),
-               "--hold-mib", str(holds[i]), "--out", args.out, "--linger", str(args.linger)]
+               "--hold-mib", str(holds[i]), "--out", args.out, "--linger", str(args.linger),
+               "--timeout", str(args.timeout)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     start = time.time()
     ends = [None] * len(procs)

@@ -17,6 +17,9 @@ MIB = 1 << 20
 
 
 def launch(tmp_path, *args, timeout=300):
+    # The launcher gives up on the workers (and prints their output, stacks included)
+    # a minute before this process would give up on it.
+    args = ("--timeout", str(timeout - 60), *args)
     out = tmp_path / "out"
     # PYTHONFAULTHANDLER: a worker that dies of a signal prints its stack (one died of
     # SIGSEGV once, not reproduced since: benchmarks/NOTES.md, "Multi-worker runs").
