@@ -103,7 +103,8 @@ def model_after_oom(sampler, model):
     # What tf.data had prepared ahead, per sample: the most the failed fit()'s steps
     # and the short runs' steps met (a short run's second step can begin with none of
     # the batches a long run's steps begin with).
-    per_sample = [sampler.prepared / sampler.b0, _recording.prepared_bytes(sampler.prefix) / sampler.b0]
+    per_sample = [sampler.prepared / sampler.b0,
+                  _recording.prepared_bytes(sampler.prefix) / sampler.b0 if sampler.prefix is not None else 0.0]
 
     def unmet(trace):
         return _recording.unmet_prepared(trace, max(per_sample) * trace.batch_size)
@@ -157,6 +158,8 @@ def model_after_oom(sampler, model):
     if good is None:
         # Not even a batch of 1 ran: none fits (advice_cap is 0), and the failed step
         # says what a batch of 1 would need at least.
+        if sampler.prefix is None:   # the failed step was not recorded (see with_failed)
+            return None
         failed = StepModel.build(sampler.prefix, None, first=True, epoch=sampler.data.epoch, fresh=False)
         m = sampler.use_model(StepModels([failed]))
         return m if sampler.too_large == 1 else None
@@ -171,6 +174,12 @@ def model_after_oom(sampler, model):
         # model: Adam's two slots of its 12 MiB table, and their initial values, made
         # while 71 MiB of 76 were in use); by it, no size above 300 fitted, where a
         # short run at 658 completed and 823 trained.
+        # The failed step is not recorded where it made more events than the trace holds
+        # (_recording.TRACE_CAPACITY): keras.applications' NASNetMobile at 254 samples of
+        # 32x32 refused in its first step, which traced the function (about 357,000
+        # events); then the runs alone decide, the retry's first step among them.
+        if sampler.prefix is None:
+            return StepModels([model])
         f = StepModel.build(plain(sampler.prefix), plain(good), first=True, epoch=sampler.data.epoch,
                             fresh=False)
         return StepModels([model, f] if f.fits(good.batch_size, limit()) else [model])

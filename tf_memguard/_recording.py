@@ -21,7 +21,11 @@ from tf_memguard._snapshot import Snapshot
 
 # Events one step may leave in the trace: a training step of the models seen makes
 # 100-5,000 allocations and as many frees (an LSTM over 64 time steps: about 4,500 of
-# each); the first step of a function, with graph optimization, up to ~20,000.
+# each); the first step of a function, with graph optimization, ~20,000 on most, but
+# keras.applications' NASNetMobile's (its 750 layers traced at 254 samples of 32x32)
+# made about 357,000. A step that makes more is not recorded (StepRecorder.end: None),
+# and the advice does without it. The trace's memory follows the events a step makes
+# (56 bytes each), up to this many: 14.7 MiB of host memory, outside the budget.
 TRACE_CAPACITY = 1 << 18
 
 
@@ -49,9 +53,9 @@ def abort_all():
 class StepRecorder:
     """Records one step at a time of a pool: begin() at its start, end() after it."""
 
-    def __init__(self, pool, capacity=TRACE_CAPACITY):
+    def __init__(self, pool, capacity=None):
         self.pool = pool
-        self.capacity = capacity
+        self.capacity = TRACE_CAPACITY if capacity is None else capacity
         self._live = None
         self._batch = None
 
@@ -87,6 +91,17 @@ class StepRecorder:
 
 
 _nested = []  # fit_steps() running: MemGuardCallback leaves such steps alone
+# The training steps the advice's short runs began in this process, and their samples
+# (full batches counted whole): what the advice costs beyond fit() (advice_steps()).
+_tally = {"steps": 0, "samples": 0}
+
+
+def advice_steps():
+    """{"steps", "samples"}: the training steps the advice's short fit() runs have begun
+    in this process so far (the second batch size, after an out-of-memory error,
+    find_batch_size, the confirmation of a suggestion), and the samples they took at most
+    (a partial last batch counted whole). benchmarks/advice_overhead.py reads it."""
+    return dict(_tally)
 
 
 def in_own_steps():
@@ -118,6 +133,8 @@ def _record_step(recorder, batch_size, at=1, epoch_at=0, full=None):
             _core.set_profile_batch(batch_size)
 
         def on_train_batch_begin(self, batch, logs=None):
+            _tally["steps"] += 1
+            _tally["samples"] += batch_size
             recorder.pool.reset_peak()
             if batch == at and self.epoch == epoch_at:
                 recorder.begin(batch_size)

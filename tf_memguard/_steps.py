@@ -326,7 +326,7 @@ class StepSampler:
         (823 trains): steps completed, the next was refused (12.2 MiB asked with 70.3 of
         76 MiB in use), their model said 1,316 fits, and the answer was 1,315, whose retry
         ran out."""
-        if not (self.data.usable and self.prefix is not None):
+        if not self.data.usable:
             return False
         if self.template is None:
             return True
@@ -337,7 +337,8 @@ class StepSampler:
         """After an OOM on a dataset: its pipeline's buffers that do not grow with the batch,
         as measured in the failed step, as one more block at a step's start (short runs on
         arrays do not meet them; _dataset_sample.pipeline_extra), or None."""
-        return _dataset_sample.pipeline_extra(self.prefix) if self.data.from_dataset else None
+        return _dataset_sample.pipeline_extra(self.prefix) if self.data.from_dataset and self.prefix is not None \
+            else None
 
     def use_model(self, model):
         """Makes `model` (StepModels) the one model() returns from now on; returns it."""
