@@ -177,7 +177,7 @@ def model_after_oom(sampler, model):
         # The failed step is not recorded where it made more events than the trace holds
         # (_recording.TRACE_CAPACITY): keras.applications' NASNetMobile at 254 samples of
         # 32x32 refused in its first step, which traced the function (about 357,000
-        # events); then the runs alone decide, the retry's first step among them.
+        # events, when the trace held 262,144); then the runs alone decide.
         if sampler.prefix is None:
             return StepModels([model])
         f = StepModel.build(plain(sampler.prefix), plain(good), first=True, epoch=sampler.data.epoch,

@@ -22,11 +22,15 @@ from tf_memguard._snapshot import Snapshot
 # Events one step may leave in the trace: a training step of the models seen makes
 # 100-5,000 allocations and as many frees (an LSTM over 64 time steps: about 4,500 of
 # each); the first step of a function, with graph optimization, ~20,000 on most, but
-# keras.applications' NASNetMobile's (its 750 layers traced at 254 samples of 32x32)
-# made about 357,000. A step that makes more is not recorded (StepRecorder.end: None),
-# and the advice does without it. The trace's memory follows the events a step makes
-# (56 bytes each), up to this many: 14.7 MiB of host memory, outside the budget.
-TRACE_CAPACITY = 1 << 18
+# keras.applications' NASNetMobile's (its 771 layers traced at 254 samples of 32x32)
+# made about 357,000: some 460 per layer. The largest of keras.applications' graphs,
+# NASNetLarge's 1,041 layers, would make about 480,000 at that rate: the capacity holds
+# twice that. A step that makes more is not recorded (StepRecorder.end: None): a failed
+# step then goes without its model (_after_oom), and a short run's step counts as not
+# completed (the answer is lower, never higher). The trace's memory follows the events
+# a step makes (56 bytes each): 20 MiB of host memory for NASNetMobile's first step, 56
+# MiB at most, outside the budget; a step of 5,000 events takes 0.3 MiB.
+TRACE_CAPACITY = 1 << 20
 
 
 _active = set()  # recorders recording now (a run ended by Ctrl-C may leave one)
