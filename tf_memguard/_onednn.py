@@ -34,9 +34,10 @@ set_at_import = None
 
 def choose_at_import():
     """Turns oneDNN off for the TensorFlow still to be imported, unless the environment
-    already says; called once, by tf_memguard/__init__.py."""
+    already says; called once, by tf_memguard/__init__.py. An empty value says nothing:
+    TensorFlow reads it as unset (its default, oneDNN on), and so does this."""
     global set_at_import
-    if "tensorflow" in sys.modules or VAR in os.environ:
+    if "tensorflow" in sys.modules or os.environ.get(VAR, "").strip():
         return
     os.environ[VAR] = "0"
     set_at_import = "0"

@@ -195,7 +195,8 @@ def wide_conv_fit(tf, tf_memguard):
 """
 
 
-def test_importing_tf_memguard_first_turns_onednn_off_and_the_budget_holds():
+@pytest.mark.parametrize("value", [None, ""])   # unset, or set empty (TensorFlow's default too)
+def test_importing_tf_memguard_first_turns_onednn_off_and_the_budget_holds(value):
     r = run(WIDE_CONV, """
         import tf_memguard                     # before TensorFlow, as the README has it
         tf_memguard.install(max_bytes="160MiB")
@@ -205,7 +206,7 @@ def test_importing_tf_memguard_first_turns_onednn_off_and_the_budget_holds():
         s = tf_memguard.stats()
         emit(outcome=outcome, onednn=bool(_pywrap_util_port.IsMklEnabled()), var=os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
              peak=s["peak_bytes_in_use"], limit=s["bytes_limit"], overshoot=s["overshoot_bytes_by_kind"])
-    """, env=UNSET_ONEDNN)
+    """, env={"TF_ENABLE_ONEDNN_OPTS": value})
     assert r.returncode == 0, r
     d = r.data
     assert d["var"] == "0" and d["onednn"] is False, d
