@@ -17,7 +17,7 @@ In a run of fit() at batch size b0 (see MemGuardCallback):
   modelled;
 - the second size: the first epoch's partial last batch when there is one of a useful
   size (a step fit() runs anyway), else a short fit() of its own at b0 // 2 on the first
-  samples of the arrays (its second step recorded, the model restored exactly). It tells
+  samples of the arrays (one step, recorded; the model restored exactly). It tells
   which untagged blocks change with the batch, and which tagged ones stop growing
   (workspaces TensorFlow caps). With b0 dividing the samples, the run's steps have a
   known batch dimension; the short fit()'s last batch is partial, so its steps stand for
@@ -38,6 +38,15 @@ from tf_memguard._step_data import StepData
 MIN_PARTIAL = 1 / 8
 # Epochs whose steps are candidates for the template.
 RECORDED_EPOCHS = 2
+# Steps of the short fit() for the second size (where fit() runs none), the last recorded,
+# those before it thrown away. One: the step that traces the function for an unknown batch
+# dimension, and the tracing's own blocks are freed before its kernels run (a model takes
+# those it cannot match as bounded, never as less). On the zoo's 12 models and 4 from
+# outside the repository, one step named the sizes two steps did (the first thrown away),
+# or higher ones within what one process differs from the next, and all trained
+# (benchmarks/NOTES.md, "One step for the second size"); two cost a step over issue 14's
+# "at most two beyond fit()" with the confirmation's.
+LONE_STEPS = 1
 # Short fit() runs of its own per run for the second size (after an OOM, _after_oom's
 # DESCENT and ASCENT_RUNS bound them).
 MAX_NESTED_RUNS = 4
@@ -182,7 +191,7 @@ class StepSampler:
         self._profile(0)
         self.recorder.abort()
         if epoch == 0 and (self.template or self.first) is not None and self.other is None and self.b0 > 1:
-            self.lone = self.short_fit(model, max(1, self.b0 // 2))
+            self.lone = self.short_fit(model, max(1, self.b0 // 2), steps=LONE_STEPS)
             self.other = self.lone if self.lone is not None and self.lone.complete else None
             # What a step of the run holds beside its own batch that the short run's step
             # (one step per execution) did not: the batch steps_per_execution's loop fetches.
