@@ -24,7 +24,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     optimizer's slots, the second is recorded), then one step at each next size, where the
     model of the two largest steps that completed says the limit is, as `steps` allow. A
     size that is refused shows the model short near it: the next size is where the model,
-    with that shortfall per sample added, says the limit is. Every block of the step becomes
+    with that shortfall per sample added, says the limit is, but at most halfway from the
+    largest size that completed to the smallest refused. Every block of the step becomes
     a line in the batch size, and the step scaled to a candidate size is replayed through
     the pool's own code (benchmarks/NOTES.md, "How the advice works"); the answer is the
     largest size whose replay fits, below every size refused. The model's weights and
@@ -167,8 +168,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         # little extrapolation (from steps at 32 and 185, a line named 456 for the zoo's
         # two-input model, where 432 was the most that trained). Each next size is where
         # the model of the two largest steps that completed says the limit is; after a
-        # refusal, where that model says it is with what it was shown to fall short of
-        # (else halfway to the refused size).
+        # refusal, where that model says it is with what it was shown to fall short of, but
+        # no more than halfway to the refused size.
         good, current = first, build(first)
         lower, too_large, used = None, refused, 2
         if too_large <= n:  # refused in the halving above: the model fell short there
@@ -178,8 +179,15 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         last_steps.append(first)
         while used + 1 <= steps:
             size = min(current.largest_fitting(room, at_most=n), too_large - 1)
-            if size <= good.batch_size and too_large <= n:
-                size = (good.batch_size + too_large) // 2
+            if too_large <= n:
+                # After a refusal the model was shown wrong near there: the next size is at
+                # most halfway from the largest that completed to the smallest refused (a
+                # bisection's guarantee). The model's own corrections fell short three times
+                # in a row on the zoo's embedding model under 76 MiB (1,283, 1,063 and 1,034
+                # refused after 32, where 823 trains), and with no step completed after the
+                # first the answer was 32 (benchmarks/NOTES.md, "find_batch_size after a
+                # refusal").
+                size = min(size, (good.batch_size + too_large) // 2)
             if size <= good.batch_size:
                 break
             trace = steps_at(size, 1)

@@ -469,6 +469,52 @@ def test_find_batch_size_halves_its_default_start_when_that_does_not_fit():
     assert 16 < d["size"] < 32, d
 
 
+def test_find_batch_size_after_a_refusal_looks_at_most_halfway_and_does_not_stay_at_a_small_size():
+    # A model whose step takes a 100 MiB workspace only above 200 samples: the steps at
+    # small sizes never show it, so the model names a size above 200 and it is refused.
+    # The model's own correction then named 244 (refused again) and find_batch_size
+    # answered 85, the last size that completed; the zoo's embedding model was answered
+    # 32 that way where 823 trains. After a refusal the next size is at most halfway
+    # from the largest that completed to the smallest refused.
+    r = run(SETUP, """
+        from tf_memguard import _find
+        tf_memguard.install(max_bytes="160MiB")
+        class Workspace(keras.layers.Layer):
+            def call(self, h):
+                def taken():
+                    w = tf.random.uniform([(100 << 20) // 4])
+                    return h + tf.reduce_mean(w)
+                return tf.cond(tf.shape(h)[0] > 200, taken, lambda: h)
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Conv2D(32, 3, activation="relu"),
+                              keras.layers.Conv2D(32, 3, activation="relu"), Workspace(),
+                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+        m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        size = tf_memguard.find_batch_size(m, x, y, steps=5)
+        tried = [[t.batch_size, bool(t.complete)] for t in _find.last_steps if t is not None]
+        try:
+            m.fit(x, y, batch_size=size, epochs=1, verbose=0)
+            trained = True
+        except tf.errors.ResourceExhaustedError:
+            trained = False
+        emit(size=size, tried=tried, trained=trained)
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert any(not ok for _, ok in d["tried"]), d   # the workspace was met: a size was refused
+    good, refused = 0, None
+    for size, ok in d["tried"]:
+        if refused is not None:
+            assert size <= (good + refused) // 2, d   # at most halfway after a refusal
+        if ok:
+            good = max(good, size)
+        else:
+            refused = size if refused is None else min(refused, size)
+    assert d["trained"] is True, d
+    # 179 here (85 before the change: the size before the first refusal).
+    assert 140 <= d["size"] <= 200, d
+
+
 def test_steps_per_execution_gets_find_batch_size_and_the_advice_after_an_oom():
     # keras.io's MNIST convnet compiled with steps_per_execution=8 under 96 MiB (184
     # trains, with no request waiting): Keras calls the batch hooks once per execution of 8
