@@ -14,7 +14,11 @@ from tf_memguard._fit_args import fed_nbytes
 # held three prepared batches at every step's start in the runs measured (the README's
 # CNN, 2 cores), and the recorded step must find the pipeline as full as a long run's
 # (with four, the README's CNN's step was recorded with fewer, and 237 was suggested
-# where 233 ran out; with eight, 223-229).
+# where 233 ran out; with eight, 223-229). The second size's short fit() runs one step
+# (_steps.LONE_STEPS), which begins before its pipeline has prepared anything (none of
+# tf.data's batches at its start on the zoo's autoencoder and GRU): there the prepared
+# batches are the template's, measured at the run's own steps, and the samples given only
+# make its last batch partial.
 NESTED_BATCHES = 8
 
 
