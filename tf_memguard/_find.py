@@ -188,6 +188,9 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
                 # first the answer was 32 (benchmarks/NOTES.md, "find_batch_size after a
                 # refusal").
                 size = min(size, (good.batch_size + too_large) // 2)
+                if size <= good.batch_size:
+                    # The model sees no room above what completed: halfway, as bisection would.
+                    size = (good.batch_size + too_large) // 2
             if size <= good.batch_size:
                 break
             trace = steps_at(size, 1)
