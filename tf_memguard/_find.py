@@ -9,6 +9,13 @@ from tf_memguard._snapshot import Snapshot
 from tf_memguard._units import format_bytes, parse_bytes
 
 
+# Steps at the first size tried, the last recorded. One: the step that traces the train
+# function, whose tracing blocks are freed before its kernels run (the optimizer is built
+# before it, as fit() builds it: Snapshot), as for the callback's second size
+# (_steps.LONE_STEPS). Two, the first thrown away, left one size fewer within `steps`
+# (benchmarks/NOTES.md, "find_batch_size: one step at the first size too").
+FIRST_STEPS = 1
+
 # The steps the last call recorded (StepTraces, None for a step refused in its first),
 # for diagnosis (benchmarks/gpu/keras_torch.py keeps them).
 last_steps = []
@@ -19,9 +26,9 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
 
     Short runs of fit(), each step recorded as the pool sees it, with fit()'s own pipeline
     (on TensorFlow without Keras' copy of the arrays, which is in the pool in some runs and
-    not in others, and for which the budget is asked with room): two steps at a small size
-    (`start`, default 32 or fewer samples; the first traces the step and builds the
-    optimizer's slots, the second is recorded), then one step at each next size, where the
+    not in others, and for which the budget is asked with room): one step at a small size
+    (`start`, default 32 or fewer samples; it traces the step, and is recorded as it
+    runs), then one step at each next size, where the
     model of the two largest steps that completed says the limit is, as `steps` allow. A
     size that is refused shows the model short near it: the next size is where the model,
     with that shortfall per sample added, says the limit is, but at most halfway from the
@@ -38,10 +45,10 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         max_bytes: the budget to fit, as for install(). Defaults to the installed one.
         device: Defaults to the device install() was called for (else "CPU:0" on
             TensorFlow, "GPU:0" on Keras' torch backend).
-        steps: the most training steps to run (2 at the first batch size tried, 1 at each
-            next; at least 2). Defaults to 4: three sizes.
+        steps: the most training steps to run (one at each batch size tried; at least 2).
+            Defaults to 4: four sizes.
         start: the first batch size tried. Defaults to 32 (or fewer samples); where
-            that does not fit, it is halved until two steps complete (two steps at each
+            that does not fit, it is halved until its step completes (one step at each
             size tried, not counted in `steps`), and the answer lies below the sizes
             refused.
 
@@ -117,16 +124,16 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     epoch = epoch_of(x, y, n) if _backend.framework() == "tensorflow" else None
     try:
         b1 = min(int(start) if start else 32, n)
-        first = steps_at(b1, 2)
+        first = steps_at(b1, FIRST_STEPS)
         snapshot.restore()
         # The default first size is a guess, not the user's: a model whose limit lies
         # below it (a transformer over long sequences, a segmentation network at a large
-        # image size) gets its size from halving it until two steps complete, each size
+        # image size) gets its size from halving it until its step completes, each size
         # refused a bound on the answer. An explicit `start` that does not fit raises.
         refused = n + 1
         while (first is None or not first.complete) and not start and b1 > 1:
             refused, b1 = b1, b1 // 2
-            first = steps_at(b1, 2)
+            first = steps_at(b1, FIRST_STEPS)
             snapshot.restore()
         if first is None or not first.complete:
             m = StepModel.build(first, None) if first is not None else None
@@ -162,8 +169,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
             if other is None:
                 return one(template, None)
             return StepModels([one(template, other), one(other, template)])
-        # The first size runs two steps (the first traces the step and builds the
-        # optimizer's slots); every next size one, recorded as it traces or not: three
+        # Every size runs one step, recorded as it traces or not (FIRST_STEPS): four
         # sizes within four steps, the last one near the limit, so that the answer needs
         # little extrapolation (from steps at 32 and 185, a line named 456 for the zoo's
         # two-input model, where 432 was the most that trained). Each next size is where
@@ -171,7 +177,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         # refusal, where that model says it is with what it was shown to fall short of, but
         # no more than halfway to the refused size.
         good, current = first, build(first)
-        lower, too_large, used = None, refused, 2
+        lower, too_large, used = None, refused, FIRST_STEPS
         if too_large <= n:  # refused in the halving above: the model fell short there
             short = max(0.0, (room - current.need(too_large)["peak_account"]) / too_large)
             current = build(first)
