@@ -13,8 +13,11 @@ from tf_memguard._units import format_bytes, parse_bytes
 # function, whose tracing blocks are freed before its kernels run (the optimizer is built
 # before it, as fit() builds it: Snapshot), as for the callback's second size
 # (_steps.LONE_STEPS). Two, the first thrown away, left one size fewer within `steps`
-# (benchmarks/NOTES.md, "find_batch_size: one step at the first size too").
+# (benchmarks/NOTES.md, "find_batch_size: one step at the first size too"). Measured on
+# TensorFlow; on Keras' torch backend the first step also makes cuBLAS's workspace, which
+# lives on, and one step there was not measured on a GPU: two, as before, there.
 FIRST_STEPS = 1
+FIRST_STEPS_TORCH = 2
 
 # The steps the last call recorded (StepTraces, None for a step refused in its first),
 # for diagnosis (benchmarks/gpu/keras_torch.py keeps them).
@@ -28,7 +31,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     (on TensorFlow without Keras' copy of the arrays, which is in the pool in some runs and
     not in others, and for which the budget is asked with room): one step at a small size
     (`start`, default 32 or fewer samples; it traces the step, and is recorded as it
-    runs), then one step at each next size, where the
+    runs; on Keras' torch backend two, the first thrown away), then one step at each next
+    size, where the
     model of the two largest steps that completed says the limit is, as `steps` allow. A
     size that is refused shows the model short near it: the next size is where the model,
     with that shortfall per sample added, says the limit is, but at most halfway from the
@@ -45,8 +49,9 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         max_bytes: the budget to fit, as for install(). Defaults to the installed one.
         device: Defaults to the device install() was called for (else "CPU:0" on
             TensorFlow, "GPU:0" on Keras' torch backend).
-        steps: the most training steps to run (one at each batch size tried; at least 2).
-            Defaults to 4: four sizes.
+        steps: the most training steps to run (one at each batch size tried, two at the
+            first on Keras' torch backend; at least 2). Defaults to 4: four sizes (three
+            on torch).
         start: the first batch size tried. Defaults to 32 (or fewer samples); where
             that does not fit, it is halved until its step completes (one step at each
             size tried, not counted in `steps`), and the answer lies below the sizes
@@ -120,11 +125,12 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         trace = fit_steps(model, x, y, size, recorder, steps=steps)
         return without_blocks(trace, copies, kind="input") if trace is not None else None
     room = budget - sum(copies)
+    first_steps = FIRST_STEPS_TORCH if _backend.framework() == "torch" else FIRST_STEPS
     # fit() at the answer runs epochs over the arrays, whose prepared batches they bound.
     epoch = epoch_of(x, y, n) if _backend.framework() == "tensorflow" else None
     try:
         b1 = min(int(start) if start else 32, n)
-        first = steps_at(b1, FIRST_STEPS)
+        first = steps_at(b1, first_steps)
         snapshot.restore()
         # The default first size is a guess, not the user's: a model whose limit lies
         # below it (a transformer over long sequences, a segmentation network at a large
@@ -133,7 +139,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         refused = n + 1
         while (first is None or not first.complete) and not start and b1 > 1:
             refused, b1 = b1, b1 // 2
-            first = steps_at(b1, FIRST_STEPS)
+            first = steps_at(b1, first_steps)
             snapshot.restore()
         if first is None or not first.complete:
             m = StepModel.build(first, None) if first is not None else None
@@ -169,15 +175,15 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
             if other is None:
                 return one(template, None)
             return StepModels([one(template, other), one(other, template)])
-        # Every size runs one step, recorded as it traces or not (FIRST_STEPS): four
-        # sizes within four steps, the last one near the limit, so that the answer needs
+        # Every size runs one step, recorded as it traces or not (FIRST_STEPS; on torch
+        # two at the first): four sizes within four steps, the last one near the limit, so that the answer needs
         # little extrapolation (from steps at 32 and 185, a line named 456 for the zoo's
         # two-input model, where 432 was the most that trained). Each next size is where
         # the model of the two largest steps that completed says the limit is; after a
         # refusal, where that model says it is with what it was shown to fall short of, but
         # no more than halfway to the refused size.
         good, current = first, build(first)
-        lower, too_large, used = None, refused, FIRST_STEPS
+        lower, too_large, used = None, refused, first_steps
         if too_large <= n:  # refused in the halving above: the model fell short there
             short = max(0.0, (room - current.need(too_large)["peak_account"]) / too_large)
             current = build(first)
