@@ -32,8 +32,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     not in others, and for which the budget is asked with room): one step at a small size
     (`start`, default 32 or fewer samples; it traces the step, and is recorded as it
     runs; on Keras' torch backend two, the first thrown away), then one step at each next
-    size, where the
-    model of the two largest steps that completed says the limit is, as `steps` allow. A
+    size, where the model of the two largest steps that completed says the limit is, as
+    `steps` allow. A
     size that is refused shows the model short near it: the next size is where the model,
     with that shortfall per sample added, says the limit is, but at most halfway from the
     largest size that completed to the smallest refused. Every block of the step becomes
@@ -176,8 +176,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
                 return one(template, None)
             return StepModels([one(template, other), one(other, template)])
         # Every size runs one step, recorded as it traces or not (FIRST_STEPS; on torch
-        # two at the first): four sizes within four steps, the last one near the limit, so that the answer needs
-        # little extrapolation (from steps at 32 and 185, a line named 456 for the zoo's
+        # two at the first): four sizes within four steps, the last one near the limit, so
+        # that the answer needs little extrapolation (from steps at 32 and 185, a line named 456 for the zoo's
         # two-input model, where 432 was the most that trained). Each next size is where
         # the model of the two largest steps that completed says the limit is; after a
         # refusal, where that model says it is with what it was shown to fall short of, but
