@@ -2,7 +2,7 @@
 recorded steps of fit(), without a full run."""
 from tf_memguard import _backend, _core, _install
 from tf_memguard._fit_args import fed_nbytes, is_sliceable
-from tf_memguard._memory_model import StepModel, StepModels
+from tf_memguard._memory_model import ONE_DRAW_SPREAD, StepModel, StepModels
 from tf_memguard._recording import (SHORTFALL_FLAGS, StepRecorder, abort_all, epoch_of, fit_steps, joined,
                                     prepared_bytes, stale_batches, unmet_prepared, without_blocks)
 from tf_memguard._snapshot import Snapshot
@@ -163,7 +163,11 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
                            ([int(short * template.batch_size)], [SHORTFALL_FLAGS])
                            if short * template.batch_size >= align else None,
                            stale_batches(x, y, template.batch_size, model))
-            return StepModel.build(template, other, extra_start=extra, epoch=epoch)
+            m = StepModel.build(template, other, extra_start=extra, epoch=epoch)
+            # Each size is one step, the first of its short fit(): one draw of the orders,
+            # which fit()'s later steps at that size can peak well above (ONE_DRAW_SPREAD).
+            m.unseen_share = ONE_DRAW_SPREAD
+            return m
 
         def build(template, other=None):
             # Each step's kernels ran in one order of the many TensorFlow's threads draw,

@@ -60,6 +60,17 @@ LAYOUT_SLACK = 0.02
 # orders not met (StepModel.unseen_order_bytes), and, in batch size, between an answer
 # after an OOM and a size refused (_after_oom).
 RUN_SPREAD = 1 / 14
+# How far the steps fit() runs at one size can peak above a step recorded once, as the
+# first step of its fit(), as a share of that step's own growth from a batch of 1 (see
+# unseen_order_bytes): find_batch_size records each size so, one step of a short fit().
+# The first step of a fit() peaks lower than the steps after it in some models, and one
+# draw shows none of the others: keras.io's "Text classification with Transformer" at
+# 324, 461 MiB in its first step and 515 in 30 of the 36 after it (10.6%); find named
+# 324, which ran out in every process. Measured on 20 models (benchmarks/NOTES.md, "The
+# first step of a fit() is not its steps"): up to 12.6% (a temporal convolution
+# network), the zoo's ResNet 3.8%, most under 2%. The largest share measured, rounded up
+# to a unit fraction, as RUN_SPREAD is.
+ONE_DRAW_SPREAD = 1 / 7
 _BATCH = _core.ALLOC_BATCH
 _ROWS = _core.ALLOC_BATCH_ROWS
 _MUST = _core.ALLOC_MUST_SUCCEED
@@ -458,6 +469,10 @@ class StepModel:
     # The template allocates in one order every step (StepTrace.ordered: PyTorch's eager
     # steps): no order of the kernels is left unmet (unseen_order_bytes).
     ordered: bool = False
+    # The share of the step's own growth kept free for orders not met (unseen_order_bytes):
+    # RUN_SPREAD for a run's steps, ONE_DRAW_SPREAD for steps recorded once each
+    # (find_batch_size).
+    unseen_share: float = RUN_SPREAD
 
     @classmethod
     def build(cls, template, other=None, start=None, observed_peak=None, first=False, extra_start=None,
@@ -590,8 +605,9 @@ class StepModel:
 
     def unseen_order_bytes(self, batch_size):
         """The least kept free at `batch_size` for orders of the kernels that no recorded
-        step met: RUN_SPREAD of what the step's own bytes (its peak less the blocks live at
-        its start, which no order moves) grew by from a batch of 1. The orders a run meets
+        step met: `unseen_share` (RUN_SPREAD, or ONE_DRAW_SPREAD) of what the step's own
+        bytes (its peak less the blocks live at its start, which no order moves) grew by
+        from a batch of 1. The orders a run meets
         depend on its kernels' timing, which grows with the batch: keras.io's text CNN's 64
         steps at 132 all peaked alike, while at 277 every few steps one allocated its 68
         MiB dropout mask at a worse moment, 11.6 MiB above the others (about 6% of that
@@ -606,7 +622,7 @@ class StepModel:
         # (At a batch of 1 it is the same for every replay: worked out once per model.)
         if "_own_at_one" not in self.__dict__:
             self._own_at_one = self._own_bytes(1)
-        return int(RUN_SPREAD * max(0, self._own_bytes(batch_size) - self._own_at_one))
+        return int(self.unseen_share * max(0, self._own_bytes(batch_size) - self._own_at_one))
 
     def _own_bytes(self, batch_size):
         sizes, _, _, _ = self._ops(batch_size)
