@@ -387,6 +387,9 @@ def _find_fresh(out, budget):
     import tf_memguard
     from tf_memguard import _find
     tf_memguard.install(max_bytes=budget, device="cuda:0")
+    if os.environ.get("FIND_FIRST_STEPS_TORCH"):  # --find-only: one step or two at the first size
+        _find.FIRST_STEPS_TORCH = int(os.environ["FIND_FIRST_STEPS_TORCH"])
+    out["first_steps"] = _find.FIRST_STEPS_TORCH
     x, y = _data()
     model = _model()
     _log_find_steps(out)
@@ -608,6 +611,10 @@ def main():
     ap.add_argument("--advice-only", action="store_true",
                     help="only the advice check (one memguard run for the budget, then fits at batch sizes "
                          "around the suggestion); writes gpu_keras_torch_advice.json")
+    ap.add_argument("--find-only", type=int, default=0, metavar="N",
+                    help="find_batch_size in 2 N fresh processes under ADVICE_BUDGET, alternately with one step and "
+                         "two at its first size (FIRST_STEPS_TORCH), each answer trained one epoch; writes "
+                         "gpu_keras_torch_find.json")
     ap.add_argument("--trim", default="0",
                     help="TF_MEMGUARD_TRIM_ABOVE_PEAK of the third allocator of each round (default 0: tf_memguard "
                          "with no trim line; 'none': no such runs)")
@@ -642,6 +649,25 @@ def main():
             p = r.get("step_peaks_mib") or [0]
             print(r.get("batch_size"), "trained", r.get("trained"), "steps", r.get("steps_run"), "first 3", p[:3],
                   "max", max(p), "at step", p.index(max(p)), "begin MiB", r.get("begin_in_use_mib"), r.get("error", ""))
+        return
+
+    if args.find_only:
+        budget = int(os.environ["ADVICE_BUDGET"])
+        runs = [run_child("find", budget, FIND_FIRST_STEPS_TORCH=str(k))
+                for _ in range(args.find_only) for k in (1, 2)]
+        result = {"runs": [{k: r.get(k) for k in ("first_steps", "find_batch_size", "find_steps",
+                                                  "find_batch_size_seconds", "find_batch_size_fit_ok",
+                                                  "find_batch_size_error", "returncode", "stderr_tail")}
+                           for r in runs],
+                  "budget_bytes": budget,
+                  "command": "ADVICE_BUDGET=%d bash benchmarks/gpu/run_keras_torch.sh --find-only %d"
+                             % (budget, args.find_only)}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_keras_torch_find.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        for r in result["runs"]:
+            print(r["first_steps"], r["find_batch_size"], r["find_steps"], r["find_batch_size_fit_ok"],
+                  (r.get("stderr_tail") or "")[-400:])
         return
 
     if args.oom_only:
