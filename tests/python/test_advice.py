@@ -31,9 +31,13 @@ NOT_MONOTONIC = pytest.mark.xfail(strict=False, reason="multi_io near its limit:
                                                        "runs (benchmarks/NOTES.md, 'The advice on the zoo')")
 # After an OOM, the autoencoder's answer (a size whose two-step run completed) ran out in
 # its two-epoch retry in CI (1115, 2026-12-01; 1000 peaks at 237 of its 240 MiB): two
-# steps are not a run near its limit.
-NEAR_LIMIT = pytest.mark.xfail(strict=False, reason="the autoencoder near its limit: a size whose short run "
-                                                    "completed ran out over two epochs in CI")
+# steps are not a run near its limit. Since the answer must also survive a run of four
+# steps, the retries trained, and the misses in CI (2 of 3 runs, 2026-12-05) were the 85%
+# bound: 798, where 939 trains without waits (its answer moves with the suggestion at
+# 1.6x of which the OOM is made, itself one process's draw).
+NEAR_LIMIT = pytest.mark.xfail(strict=False, reason="the autoencoder near its limit: its answer after an OOM ran "
+                                                    "out over two epochs in CI (2026-12-01), and fell under the "
+                                                    "85% bound in CI (2026-12-05)")
 CASES = [("gru", 256), pytest.param("autoencoder", 512, marks=NEAR_LIMIT),
          pytest.param("multi_io", 256, marks=NOT_MONOTONIC)]
 ADVICE_CASES = [("gru", 256), pytest.param("autoencoder", 512, marks=SUBLINEAR),
