@@ -2,6 +2,7 @@
 suggestion worked out from steps of its own once the failed fit()'s data is out of the
 pool), a constant the pool refused turned into that error, a run over the budget through
 requests that cannot be refused stopped, and anything left switched on put back."""
+import dataclasses
 import warnings
 import weakref
 
@@ -13,6 +14,10 @@ from tf_memguard._units import format_bytes
 # within this (the budget-integrity tests' bound): more means the failed fit()'s data is
 # still held.
 HELD_AFTER_FAILURE = 1 << 20
+# Short runs (one step each) at most after a run stopped for a step granted over the
+# budget: the size named, then smaller ones where it was granted over too (as
+# _confirm.CONFIRM_RUNS above the running size).
+CHECK_RUNS = 3
 
 
 def _after_oom_resolver(callback):
@@ -173,12 +178,54 @@ class FailureHandling:
                              "variable for the suggestion.")
         report.memory_model = model.to_dict() if model is not None else report.memory_model
 
+    def _checked_below(self, suggestion, kind):
+        """`suggestion`, below the running size after a step granted over the budget, as
+        short runs show it: one step at it, and where that step too was granted over the
+        budget, the model with that step added names a smaller size (CHECK_RUNS at most).
+        A model of steps at the running size and half of it, scaled far below them, misses
+        what the compiled step holds whatever its size: the README's CNN with
+        jit_compile=True under 48 MiB, stopped at 512, was named 42, whose step peaked at
+        57.7 MiB. The answer is a size whose step ran within the budget, or the last one
+        named, its method saying so."""
+        from tf_memguard._memory_model import StepModel, StepModels
+        sampler, model = self._sampler, self._sampler.model()
+        base = sampler.template or sampler.first
+        size, tried = suggestion.batch_size, []
+        for _ in range(CHECK_RUNS):
+            if size < 1 or size >= sampler.b0:
+                return suggestion
+            trace = sampler.short_fit(self.model, size, all_samples=True, steps=1)
+            if trace is not None and trace.complete and not trace.granted_over(kind):
+                method = suggestion.method + (f"; steps at {', '.join(map(str, tried))} were granted over the budget"
+                                              if tried else "") + f"; a step at {size} ran within the budget"
+                return dataclasses.replace(suggestion, batch_size=int(size), method=method)
+            tried.append(size)
+            if trace is not None and base is not None:
+                model = StepModels([model, StepModel.build(trace, base, epoch=sampler.data.epoch, fresh=False)])
+            size = min(model.largest_fitting(self._budget, at_most=size - 1), size - 1)
+        return dataclasses.replace(suggestion, batch_size=int(max(size, 0)),
+                                   method=suggestion.method + f"; steps at {', '.join(map(str, tried))} were granted "
+                                                              "over the budget, and this one was not run")
+
     def _stop_for_overshoot(self, kind, stats):
-        over = stats["overshoot_bytes_by_kind"][kind]
+        granted = stats["overshoot_bytes_by_kind"][kind] - self._start["overshoot_bytes_by_kind"][kind]
+        steps = self._monitor.steps
+        peak = steps[-1][1] if steps else 0   # the step's account at its peak
         self._over_counts[kind] = stats["overshoots_by_kind"][kind]
         self._end_abruptly()
-        self._oom = _oom.overshoot_stop(self._device, kind, over, self._budget, self._monitor.global_step,
-                                        self._suggest(), self._run_batch)
+        if self._sampler and self.model is not None:
+            # Stopped after its first step, the run showed no second size: one step at half
+            # the size, so that the blocks no batch tag marks (XLA's buffers) get their
+            # slopes, rather than being taken as fixed below the size that ran.
+            self._sampler.second_size(self.model)
+        suggestion = self._suggest()
+        if suggestion is not None and self.model is not None:
+            suggestion = self._checked_below(suggestion, kind)
+        if suggestion is not None:
+            # The report names it too (report().suggested_batch_size), as the message does.
+            self._suggestion = suggestion
+        self._oom = _oom.overshoot_stop(self._device, kind, granted, peak, self._budget, self._monitor.global_step,
+                                        suggestion, self._run_batch)
         self._tell_cluster()
         self._finish()
         raise budget_exceeded_error()("tf_memguard: " + self._oom)

@@ -151,6 +151,11 @@ class StepTrace:
         """Indices of the events that ask for memory (allocations, overshoot, the refusal)."""
         return np.flatnonzero(self.op != _FREE)
 
+    def granted_over(self, kind):
+        """Whether a request of `kind` (a KINDS name) was granted over the budget in the step."""
+        k = KINDS.index(kind)
+        return bool(np.any((np.asarray(self.op) == _OVERSHOOT) & (kind_of(self.flags) == k)))
+
     def to_dict(self):
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in d.items()}
@@ -661,13 +666,32 @@ class StepModel:
                               address_factor=int(lay.get("address_factor", 0)),
                               small_threshold=int(lay.get("small_threshold", 0)))
         # Start blocks over the budget are granted as overshoot, never refused: they are
-        # what the step meets. A step whose start alone passes the budget does not fit.
-        if r["fits"] and r["peak_overshoot"] > 0 and self._start_overshoot(sizes, room):
+        # what the step meets. A step whose start alone passes the budget does not fit, nor
+        # one whose own requests that cannot be refused (XLA's buffers, oneDNN's kernels,
+        # numpy values made into tensors) pass it: the pool would grant them over the
+        # budget, and MemGuardCallback stops a run at XLA's or oneDNN's. (keras.applications'
+        # ConvNeXtTiny, whose AdamW step TensorFlow runs partly through XLA on the CPU, at
+        # 171 under 1,100 MiB: its first step was granted 662 MiB over the budget, and the
+        # run was stopped with "a batch size of up to 200 fits".)
+        if r["fits"] and r["peak_overshoot"] > 0 and (self._start_overshoot(sizes, room)
+                                                      or self._own_overshoot(sizes, slots, flags, nslots, room,
+                                                                             r["peak_overshoot"])):
             r["fits"] = False
         return r
 
     def _start_overshoot(self, sizes, room):
         return int(sizes[:len(self.start_fixed)].sum()) > room
+
+    def _own_overshoot(self, sizes, slots, flags, nslots, room, peak_overshoot):
+        """Whether the step's own requests took the overshoot above what its start blocks,
+        laid out in `room`, were granted over it: a replay of the start blocks alone."""
+        k = len(self.start_fixed)
+        lay = self.layout
+        start = _core.replay_step(sizes[:k], slots[:k], flags[:k], nslots, room, upstream=_replay_upstream(lay),
+                                  alignment=int(lay.get("alignment", 0)), granule_bytes=_granule(lay),
+                                  address_factor=int(lay.get("address_factor", 0)),
+                                  small_threshold=int(lay.get("small_threshold", 0)))
+        return int(peak_overshoot) > int(start["peak_overshoot"])
 
     def need(self, batch_size):
         """The replay at `batch_size` with a budget that always fits: its peaks."""

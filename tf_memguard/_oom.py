@@ -93,15 +93,23 @@ def constant_refused(device, refusal, suggestion=None, running=None):
             explain(device, refusal, suggestion, running))
 
 
-def overshoot_stop(device, kind, bytes_over, budget, step, suggestion=None, running=None):
-    """A step that needed more than the budget from requests that cannot be refused
-    (XLA's buffers, oneDNN's kernels): the run stops after it."""
+def overshoot_stop(device, kind, granted, peak, budget, step, suggestion=None, running=None):
+    """A step whose requests that cannot be refused (XLA's buffers, oneDNN's kernels) were
+    granted over the budget: `granted` bytes of them in the run, the step's account
+    peaking at `peak`. The run stops after it."""
     why = {"xla": "XLA's buffers (jit_compile=True) cannot be refused: TensorFlow loses the model's variables "
                   "when one is (seen with TensorFlow 2.21)",
            "kernel": "oneDNN kernels crash when an allocation is refused (a TensorFlow bug; start Python with "
                      "TF_ENABLE_ONEDNN_OPTS=0 for a hard budget)"}.get(kind, "those requests cannot be refused")
-    text = (f"{device}: step {step} needed {format_bytes(bytes_over)} more than the {format_bytes(budget)} budget, "
-            f"granted over it because {why}; the run stopped after that step, with the model intact.")
+    if peak > budget:
+        how = (f"needed {format_bytes(peak - budget)} more than the {format_bytes(budget)} budget (its memory in "
+               f"use peaked at {format_bytes(peak)})")
+    else:
+        # Within the budget in all, but a block too large for any free block of the pool.
+        how = (f"needed blocks larger than any free block of the {format_bytes(budget)} budget's pool "
+               f"({format_bytes(granted)} in all)")
+    text = (f"{device}: step {step} {how}, granted over the budget because {why}; the run stopped after that "
+            "step, with the model intact.")
     if suggestion is not None:
         text += " " + _advice.advice_sentence(suggestion, running)
     return text

@@ -29,7 +29,8 @@ runs of its own on all the samples at smaller sizes (down to one that completes,
 up: _after_oom).
 """
 from tf_memguard import _after_oom, _backend, _core, _dataset_sample, _recording
-from tf_memguard._memory_model import StepModel, StepModels, alike_groups, order_gap
+from tf_memguard._memory_model import (_ALLOC, _FREE, _OVERSHOOT, KINDS, ONE_DRAW_SPREAD, StepModel, StepModels,
+                                      alike_groups, order_gap)
 from tf_memguard._step_data import StepData
 
 # The smallest partial last batch used as the second size, as a share of b0: below that,
@@ -190,7 +191,14 @@ class StepSampler:
         """After the first epoch: the second size, if fit() ran none and it matters."""
         self._profile(0)
         self.recorder.abort()
-        if epoch == 0 and (self.template or self.first) is not None and self.other is None and self.b0 > 1:
+        if epoch == 0:
+            self.second_size(model)
+
+    def second_size(self, model):
+        """The short fit()'s step at half the running size (the lone step), where fit()
+        showed no second size: after the first epoch, or when a run is stopped after its
+        first step (XLA's buffers or oneDNN's kernels granted over the budget)."""
+        if (self.template or self.first) is not None and self.other is None and self.b0 > 1:
             self.lone = self.short_fit(model, max(1, self.b0 // 2), steps=LONE_STEPS)
             self.other = self.lone if self.lone is not None and self.lone.complete else None
             # What a step of the run holds beside its own batch that the short run's step
@@ -255,9 +263,23 @@ class StepSampler:
             # (Not the first step's: a run's first step meets the pipeline as it starts.)
             # (Its copies: the training arrays', never the validation arrays', which a run's
             # first step is always without.)
+            alone = self.template is None and self.steep is None
+            # A first step alone (a run stopped after it: XLA's buffers or oneDNN's kernels
+            # granted over the budget) stands for the steps after it: what it made and kept
+            # (the optimizer's slots, where fit() builds them in it) is live at their start,
+            # and it is one draw of the orders, which the steps after a fit()'s first peaked
+            # up to 1/7 of their growth above (ONE_DRAW_SPREAD). keras.applications'
+            # ConvNeXtTiny with AdamW under 1,100 MiB at 171: its first step began with 112
+            # MiB and peaked at 1,122; the steps after it began with 329 and peaked at 1,253
+            # to 1,277, and the model of the first step alone named 200, then 149, which
+            # XLA's buffers passed the budget at.
             first = StepModel.build(self.first, self.other, first=True, epoch=self.data.epoch, order_bytes=order,
-                                    extra_start=self.data.unmet_copies(self.first, validation=False)) \
+                                    extra_start=_recording.joined(
+                                        self.data.unmet_copies(self.first, validation=False),
+                                        kept_blocks(self.first) if alone else None)) \
                 if self.first is not None else None
+            if first is not None and alone:
+                first.unseen_share = ONE_DRAW_SPREAD
             domain = "static" if self.static else "all"
             models, domains = [steady, first, steep], [domain, domain, domain]
             start = self.template or self.first
@@ -369,3 +391,24 @@ class StepSampler:
         """The largest batch size the advice may name: below the smallest known not to fit,
         and after an OOM whose model was shown wrong, the largest whose step completed."""
         return min(self.too_large - 1, self.cap)
+
+
+def kept_blocks(trace):
+    """(sizes, flags) of the blocks `trace`'s step made and had not freed at its end,
+    untagged and made by kernels (variables and the optimizer's slots, where the step
+    built them), or None: live at the start of the steps after it."""
+    import numpy as np
+    live = {}
+    for op, addr, size, flags in zip(trace.op.tolist(), trace.address.tolist(), trace.size.tolist(),
+                                     trace.flags.tolist()):
+        if op in (_ALLOC, _OVERSHOOT) and addr:
+            live[addr] = (size, flags)
+        elif op == _FREE:
+            live.pop(addr, None)
+    kernel = KINDS.index("kernel")
+    kept = [(size, flags) for size, flags in live.values()
+            if not flags & _core.ALLOC_BATCH and (flags >> _core.ALLOC_KIND_SHIFT) & 15 == kernel]
+    if not kept:
+        return None
+    return (np.array([k[0] for k in kept], dtype=np.float64),
+            np.array([k[1] & ~_core.ALLOC_MUST_SUCCEED for k in kept], dtype=np.uint32))
