@@ -13,11 +13,11 @@ from tf_memguard._units import format_bytes, parse_bytes
 # function, whose tracing blocks are freed before its kernels run (the optimizer is built
 # before it, as fit() builds it: Snapshot), as for the callback's second size
 # (_steps.LONE_STEPS). Two, the first thrown away, left one size fewer within `steps`
-# (benchmarks/NOTES.md, "find_batch_size: one step at the first size too"). Measured on
-# TensorFlow; on Keras' torch backend the first step also makes cuBLAS's workspace, which
-# lives on, and one step there was not measured on a GPU: two, as before, there.
+# (benchmarks/NOTES.md, "find_batch_size: one step at the first size too"). On Keras'
+# torch backend too, where the first step also makes cuBLAS's workspace: on an H100 the
+# same answer with one as with two (187, trained 3 of 3 each; 197 trains), from sizes 32,
+# 136, 189 rather than 32, 192 (results/gpu_keras_torch_find.json).
 FIRST_STEPS = 1
-FIRST_STEPS_TORCH = 2
 
 # The steps the last call recorded (StepTraces, None for a step refused in its first),
 # for diagnosis (benchmarks/gpu/keras_torch.py keeps them).
@@ -31,9 +31,10 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     (on TensorFlow without Keras' copy of the arrays, which is in the pool in some runs and
     not in others, and for which the budget is asked with room): one step at a small size
     (`start`, default 32 or fewer samples; it traces the step, and is recorded as it
-    runs; on Keras' torch backend two, the first thrown away), then one step at each next
-    size, where the model of the two largest steps that completed says the limit is, as
-    `steps` allow. A
+    runs), then one step at each next size, where the model of the two largest steps that
+    completed says the limit is, as `steps` allow; on TensorFlow with 1/7 of the step's
+    growth kept free for the orders of the kernels one step does not show
+    (ONE_DRAW_SPREAD). A
     size that is refused shows the model short near it: the next size is where the model,
     with that shortfall per sample added, says the limit is, but at most halfway from the
     largest size that completed to the smallest refused. Every block of the step becomes
@@ -49,9 +50,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         max_bytes: the budget to fit, as for install(). Defaults to the installed one.
         device: Defaults to the device install() was called for (else "CPU:0" on
             TensorFlow, "GPU:0" on Keras' torch backend).
-        steps: the most training steps to run (one at each batch size tried, two at the
-            first on Keras' torch backend; at least 2). Defaults to 4: four sizes (three
-            on torch).
+        steps: the most training steps to run (one at each batch size tried; at least
+            2). Defaults to 4: four sizes.
         start: the first batch size tried. Defaults to 32 (or fewer samples); where
             that does not fit, it is halved until its step completes (one step at each
             size tried, not counted in `steps`), and the answer lies below the sizes
@@ -125,7 +125,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         trace = fit_steps(model, x, y, size, recorder, steps=steps)
         return without_blocks(trace, copies, kind="input") if trace is not None else None
     room = budget - sum(copies)
-    first_steps = FIRST_STEPS_TORCH if _backend.framework() == "torch" else FIRST_STEPS
+    first_steps = FIRST_STEPS
     # fit() at the answer runs epochs over the arrays, whose prepared batches they bound.
     epoch = epoch_of(x, y, n) if _backend.framework() == "tensorflow" else None
     try:
@@ -179,8 +179,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
             if other is None:
                 return one(template, None)
             return StepModels([one(template, other), one(other, template)])
-        # Every size runs one step, recorded as it traces or not (FIRST_STEPS; on torch
-        # two at the first): four sizes within four steps, the last one near the limit, so
+        # Every size runs one step, recorded as it traces or not (FIRST_STEPS): four sizes within four steps, the last one near the limit, so
         # that the answer needs little extrapolation (from steps at 32 and 185, a line named 456 for the zoo's
         # two-input model, where 432 was the most that trained). Each next size is where
         # the model of the two largest steps that completed says the limit is; after a

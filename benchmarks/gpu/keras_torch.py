@@ -387,9 +387,9 @@ def _find_fresh(out, budget):
     import tf_memguard
     from tf_memguard import _find
     tf_memguard.install(max_bytes=budget, device="cuda:0")
-    if os.environ.get("FIND_FIRST_STEPS_TORCH"):  # --find-only: one step or two at the first size
-        _find.FIRST_STEPS_TORCH = int(os.environ["FIND_FIRST_STEPS_TORCH"])
-    out["first_steps"] = _find.FIRST_STEPS_TORCH
+    if os.environ.get("FIND_FIRST_STEPS"):  # --find-only: one step or two at the first size
+        _find.FIRST_STEPS = int(os.environ["FIND_FIRST_STEPS"])
+    out["first_steps"] = _find.FIRST_STEPS
     x, y = _data()
     model = _model()
     _log_find_steps(out)
@@ -613,7 +613,7 @@ def main():
                          "around the suggestion); writes gpu_keras_torch_advice.json")
     ap.add_argument("--find-only", type=int, default=0, metavar="N",
                     help="find_batch_size in 2 N fresh processes under ADVICE_BUDGET, alternately with one step and "
-                         "two at its first size (FIRST_STEPS_TORCH), each answer trained one epoch; writes "
+                         "two at its first size (_find.FIRST_STEPS), each answer trained one epoch; writes "
                          "gpu_keras_torch_find.json")
     ap.add_argument("--trim", default="0",
                     help="TF_MEMGUARD_TRIM_ABOVE_PEAK of the third allocator of each round (default 0: tf_memguard "
@@ -653,7 +653,7 @@ def main():
 
     if args.find_only:
         budget = int(os.environ["ADVICE_BUDGET"])
-        runs = [run_child("find", budget, FIND_FIRST_STEPS_TORCH=str(k))
+        runs = [run_child("find", budget, FIND_FIRST_STEPS=str(k))
                 for _ in range(args.find_only) for k in (1, 2)]
         result = {"runs": [{k: r.get(k) for k in ("first_steps", "find_batch_size", "find_steps",
                                                   "find_batch_size_seconds", "find_batch_size_fit_ok",
