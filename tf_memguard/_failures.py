@@ -194,17 +194,18 @@ class FailureHandling:
         if size < 1 or size >= sampler.b0 or not sampler.data.usable or \
                 not sampler.data.sample_dataset(sampler.b0):
             return suggestion   # nothing to check, or no arrays nor a dataset to sample them from
+        # With room for Keras' copy of the arrays, which the retry may hold and the short run
+        # may not (a numpy array aligned as TensorFlow wants is taken without a copy): on
+        # the CNN at 42 the step ran within the budget in one process and its retry went
+        # 9.7 MiB over (the copy is 12 MiB).
+        copies = sum(sampler.data.copy_sizes())
+        limit = max(self._budget - copies, 1)
         for _ in range(CHECK_RUNS):
             if size < 1 or (sampler.data.n or 0) < size:
                 break
             before = self._pool.stats()["overshoots_by_kind"][kind]
-            # With room for Keras' copy of the arrays, which the retry may hold and the short
-            # run may not (a numpy array aligned as TensorFlow wants is taken without a copy):
-            # on the CNN at 42 the step ran within the budget in one process and its retry
-            # went 9.7 MiB over (the copy is 12 MiB).
-            copies = sum(sampler.data.copy_sizes())
             if copies:
-                self._pool.set_limit(max(self._budget - copies, 1))
+                self._pool.set_limit(limit)
             try:
                 trace = sampler.short_fit(self.model, size, all_samples=True, steps=1)
             finally:
@@ -223,7 +224,6 @@ class FailureHandling:
                 model = StepModels([model, StepModel.build(trace, base, epoch=sampler.data.epoch, fresh=False)])
             nxt = min(model.largest_fitting(self._budget, at_most=size - 1), size - 1)
             peak = int(getattr(trace, "observed_peak", 0) or 0) if trace is not None else 0
-            limit = max(self._budget - copies, 1)
             if peak > limit:
                 # At most in proportion to how far over the step went: the model with the
                 # step added had named one less each time on the CNN (42, 41, 40, then 39,

@@ -163,11 +163,9 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
                            ([int(short * template.batch_size)], [SHORTFALL_FLAGS])
                            if short * template.batch_size >= align else None,
                            stale_batches(x, y, template.batch_size, model))
-            m = StepModel.build(template, other, extra_start=extra, epoch=epoch)
             # Each size is one step, the first of its short fit(): one draw of the orders,
             # which fit()'s later steps at that size can peak well above (ONE_DRAW_SPREAD).
-            m.unseen_share = ONE_DRAW_SPREAD
-            return m
+            return StepModel.build(template, other, extra_start=extra, epoch=epoch, unseen_share=ONE_DRAW_SPREAD)
 
         def build(template, other=None):
             # Each step's kernels ran in one order of the many TensorFlow's threads draw,

@@ -481,7 +481,7 @@ class StepModel:
 
     @classmethod
     def build(cls, template, other=None, start=None, observed_peak=None, first=False, extra_start=None,
-              epoch=None, order_bytes=0, fresh=None, layout_bytes=0, order_batch=0):
+              epoch=None, order_bytes=0, fresh=None, layout_bytes=0, order_batch=0, unseen_share=RUN_SPREAD):
         """The model of `template`'s step (complete), its untagged blocks' slopes from
         `other`, starting from `start`'s live blocks (default: template's own) and
         `extra_start` ((sizes, flags) of more blocks live then, recorded at start's batch
@@ -498,7 +498,9 @@ class StepModel:
         `first`; after an out-of-memory error the retry's first step meets the failed
         run's layout, and the slack is kept). `layout_bytes`: how many more bytes of
         backing granules than the run's template another of its steps touched
-        (StepSampler.layout_bytes), kept free (as spread, where more)."""
+        (StepSampler.layout_bytes), kept free (as spread, where more). `unseen_share`:
+        the share of the step's growth kept free for orders not met (unseen_order_bytes).
+        """
         start = start or template
         fixed_kinds = [KINDS.index(k) for k in ("constant", "copy", "tensor", "raw", "data", "input")] if first else ()
         weights = start.start_size[(start.start_flags & _BATCH) == 0]
@@ -546,7 +548,7 @@ class StepModel:
                     ev_lo=np.array(ev_lo), ev_fixed_hi=np.array(ev_fhi), ev_hi=np.array(ev_hi), nslots=nslots,
                     base_batch=int(template.batch_size), layout=dict(template.layout),
                     complete=bool(template.complete), order_bytes=int(max(0, order_bytes)),
-                    order_batch=int(order_batch or 0),
+                    order_batch=int(order_batch or 0), unseen_share=float(unseen_share),
                     fresh=bool(first if fresh is None else fresh),
                     samples=int(epoch[0]) if epoch else 0,
                     batch_bytes_per_sample=float(epoch[1]) if epoch else 0.0,

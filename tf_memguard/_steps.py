@@ -29,8 +29,8 @@ runs of its own on all the samples at smaller sizes (down to one that completes,
 up: _after_oom).
 """
 from tf_memguard import _after_oom, _backend, _core, _dataset_sample, _recording
-from tf_memguard._memory_model import (_ALLOC, _FREE, _OVERSHOOT, KINDS, ONE_DRAW_SPREAD, StepModel, StepModels,
-                                      alike_groups, order_gap)
+from tf_memguard._memory_model import (_ALLOC, _FREE, _OVERSHOOT, KINDS, ONE_DRAW_SPREAD, RUN_SPREAD, StepModel,
+                                      StepModels, alike_groups, kind_of, order_gap)
 from tf_memguard._step_data import StepData
 
 # The smallest partial last batch used as the second size, as a share of b0: below that,
@@ -276,10 +276,9 @@ class StepSampler:
             first = StepModel.build(self.first, self.other, first=True, epoch=self.data.epoch, order_bytes=order,
                                     extra_start=_recording.joined(
                                         self.data.unmet_copies(self.first, validation=False),
-                                        kept_blocks(self.first) if alone else None)) \
+                                        kept_blocks(self.first) if alone else None),
+                                    unseen_share=ONE_DRAW_SPREAD if alone else RUN_SPREAD) \
                 if self.first is not None else None
-            if first is not None and alone:
-                first.unseen_share = ONE_DRAW_SPREAD
             domain = "static" if self.static else "all"
             models, domains = [steady, first, steep], [domain, domain, domain]
             start = self.template or self.first
@@ -406,8 +405,7 @@ def kept_blocks(trace):
         elif op == _FREE:
             live.pop(addr, None)
     kernel = KINDS.index("kernel")
-    kept = [(size, flags) for size, flags in live.values()
-            if not flags & _core.ALLOC_BATCH and (flags >> _core.ALLOC_KIND_SHIFT) & 15 == kernel]
+    kept = [(size, flags) for size, flags in live.values() if not flags & _core.ALLOC_BATCH and kind_of(flags) == kernel]
     if not kept:
         return None
     return (np.array([k[0] for k in kept], dtype=np.float64),
