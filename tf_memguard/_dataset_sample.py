@@ -13,7 +13,7 @@ they do for arrays (_recording.unmet_prepared).
 import numpy as np
 
 from tf_memguard import _core
-from tf_memguard._memory_model import _ALLOC, _FREE, _OVERSHOOT, kind_of
+from tf_memguard._step_trace import _ALLOC, _FREE, _OVERSHOOT, kind_of
 
 # Samples taken, in batches of the failed size: the short runs after the OOM go up to
 # just under it, and a run that confirms a size takes four of its batches

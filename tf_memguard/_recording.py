@@ -16,7 +16,7 @@ import traceback
 
 from tf_memguard import _backend, _core
 from tf_memguard._fit_args import fed_nbytes
-from tf_memguard._memory_model import _ALLOC, _FREE, _OVERSHOOT, StepTrace
+from tf_memguard._step_trace import _ALLOC, _FREE, _OVERSHOOT, StepTrace
 from tf_memguard._snapshot import Snapshot
 
 # Events one step may leave in the trace: a training step of the models seen makes
@@ -225,7 +225,7 @@ def without_blocks(trace, sizes, kind=None, tagged=None):
     fit()'s own short copy of the data)."""
     import numpy as np
 
-    from tf_memguard._memory_model import kind_of
+    from tf_memguard._step_trace import kind_of
     sizes = set(int(v) for v in sizes)
     drop = np.isin(trace.start_size, np.array(sorted(sizes), dtype=np.uint64))
     if kind is not None:

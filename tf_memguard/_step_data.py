@@ -128,7 +128,7 @@ class StepData:
         array into the pool or takes numpy's memory as it is depends on where numpy put it
         (benchmarks/NOTES.md, "Keras' copy of the arrays comes and goes"), which another
         process draws anew."""
-        from tf_memguard._memory_model import kind_of
+        from tf_memguard._step_trace import kind_of
         if trace is None:
             return None
         wanted = (self.copy_sizes() if train else []) + (self.validation_copies if validation else [])

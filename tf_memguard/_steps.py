@@ -29,8 +29,8 @@ runs of its own on all the samples at smaller sizes (down to one that completes,
 up: _after_oom).
 """
 from tf_memguard import _after_oom, _backend, _core, _dataset_sample, _recording
-from tf_memguard._memory_model import (_ALLOC, _FREE, _OVERSHOOT, KINDS, ONE_DRAW_SPREAD, RUN_SPREAD, StepModel,
-                                      StepModels, alike_groups, kind_of, order_gap)
+from tf_memguard._memory_model import ONE_DRAW_SPREAD, RUN_SPREAD, StepModel, StepModels, alike_groups, order_gap
+from tf_memguard._step_trace import _ALLOC, _FREE, _OVERSHOOT, KINDS, kind_of
 from tf_memguard._step_data import StepData
 
 # The smallest partial last batch used as the second size, as a share of b0: below that,

@@ -5,7 +5,7 @@ import pytest
 
 import tf_memguard
 from tf_memguard import _dataset_sample as ds_sample
-from tf_memguard import _memory_model as mm
+from tf_memguard import _step_trace
 
 MiB = 1 << 20
 
@@ -24,7 +24,7 @@ def test_pipeline_buffers_are_the_most_untagged_tf_data_bytes_live_at_once():
     pool.allocate(1 * MiB, kind="data")                   # 1 live
     pool.free(act)
     pool.trace_start(0)
-    trace = mm.StepTrace.from_pool(pool, live, 16)
+    trace = _step_trace.StepTrace.from_pool(pool, live, 16)
     assert ds_sample.pipeline_buffers(trace) == 9 * MiB
     sizes, flags = ds_sample.pipeline_extra(trace)
     assert sizes == [9 * MiB] and not flags[0] & tf_memguard._core.ALLOC_BATCH

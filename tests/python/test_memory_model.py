@@ -11,6 +11,7 @@ import numpy as np
 
 import tf_memguard
 from tf_memguard import _memory_model as mm
+from tf_memguard import _model_build, _step_trace
 
 MiB = 1 << 20
 
@@ -32,7 +33,7 @@ def record(pool, b, **kw):
     pool.trace_start(1 << 16)
     step(pool, b, **kw)
     pool.trace_start(0)
-    return mm.StepTrace.from_pool(pool, live, b)
+    return _step_trace.StepTrace.from_pool(pool, live, b)
 
 
 def make_pool():
@@ -124,7 +125,7 @@ def flattened_step(pool, b):
     for a in blocks[::-1]:
         pool.free(a)
     pool.trace_start(0)
-    t = mm.StepTrace.from_pool(pool, live, b)
+    t = _step_trace.StepTrace.from_pool(pool, live, b)
     alloc = t.op != 1
     t.flags = np.where(alloc & (t.size < b * MiB), t.flags | tf_memguard._core.ALLOC_BATCH_ROWS, t.flags)
     return t
@@ -212,7 +213,7 @@ def test_untagged_steps_in_the_same_order_are_matched_by_position():
         pool.trace_start(1 << 16)
         cnn_step(pool, b)
         pool.trace_start(0)
-        return dataclasses.replace(mm.StepTrace.from_pool(pool, live, b), ordered=True)
+        return dataclasses.replace(_step_trace.StepTrace.from_pool(pool, live, b), ordered=True)
 
     pool = make_pool()
     t64, t32 = rec(pool, 64), rec(pool, 32)
@@ -271,7 +272,7 @@ def test_a_step_that_made_the_whole_epochs_batches_is_bounded_by_the_epoch_at_ev
         for o in own:
             pool.free(o)
         pool.trace_start(0)
-        t = mm.StepTrace.from_pool(pool, live, b)
+        t = _step_trace.StepTrace.from_pool(pool, live, b)
         for blk in ahead + partial:
             pool.free(blk)
         return t
@@ -314,10 +315,10 @@ def test_a_batch_scaled_to_the_other_size_does_not_take_a_fixed_workspaces_partn
         for a in blocks[::-1]:
             pool.free(a)
         pool.trace_start(0)
-        return mm.StepTrace.from_pool(pool, live, b)
+        return _step_trace.StepTrace.from_pool(pool, live, b)
     pool = make_pool()
     t16, t32 = made(pool, 16, 2), made(pool, 32, 1)
-    fixed_lo, lo, fixed_hi, hi = mm._match(t16, t32)
+    fixed_lo, lo, fixed_hi, hi = _model_build.match(t16, t32)
     assert (fixed_lo[2], lo[2], fixed_hi[2], hi[2]) == (MiB, 0.0, MiB, 0.0)
     assert all(lo[i] == hi[i] == 32 << 10 and fixed_lo[i] == fixed_hi[i] == 0 for i in (0, 1))
     assert mm.StepModel.build(t16, t32).need(64)["peak_account"] == 4 * MiB + 2 * 64 * (32 << 10) + MiB
@@ -333,7 +334,7 @@ def test_the_granule_footprint_counts_a_granule_shared_by_small_blocks_once():
 
     def footprint(events, start=((4 * g, g + 100),), granule=g):
         op, size, addr = (np.array([e[i] for e in events]) for i in range(3))
-        return mm.granule_footprint([a for a, _ in start], [n for _, n in start], op, size, addr, granule)
+        return _step_trace.granule_footprint([a for a, _ in start], [n for _, n in start], op, size, addr, granule)
     small = (ALLOC, 100, 5 * g + 100)
     assert footprint([small, (ALLOC, MiB, 2 * MiB + 32 * K), (REFUSE, 8 * MiB, 0)]) == (2 + 17) * g
     assert footprint([small, (FREE, g + 100, 4 * g), (ALLOC, 2 * g, 10 * g)]) == 3 * g
@@ -445,7 +446,7 @@ def test_a_block_at_the_start_with_an_activations_size_does_not_make_them_fixed(
         pool.trace_start(1 << 16)
         untagged_step(pool, 4, weights)
         pool.trace_start(0)
-        return mm.StepModel.build(mm.StepTrace.from_pool(pool, live, 4), None).largest_fitting(budget)
+        return mm.StepModel.build(_step_trace.StepTrace.from_pool(pool, live, 4), None).largest_fitting(budget)
 
     def truth(extra):  # 4 activations of b/2 MiB and the gradients beside what is live
         return int((budget - 2 * sum(weights) - sum(extra)) / (2 * MiB))
@@ -469,7 +470,7 @@ def test_the_h200_step_after_an_oom_is_modelled_like_the_fresh_one():
         saved = json.load(f)
     budget, limit = saved["budget"], 197
     for key in ("fresh_first", "after_oom_first"):
-        answer = mm.StepModel.build(mm.StepTrace.from_dict(saved[key]), None).largest_fitting(budget, at_most=20480)
+        answer = mm.StepModel.build(_step_trace.StepTrace.from_dict(saved[key]), None).largest_fitting(budget, at_most=20480)
         assert 0.85 * limit <= answer <= limit + 1, (key, answer)
 
 
@@ -546,7 +547,7 @@ def test_the_order_whose_peak_grows_fastest_is_modelled_beside_the_highest():
     fixed_then_batch(pool, 4)
     batch_with_fixed(pool, 4)
     pool.trace_start(0)
-    sampler.other, sampler._model = mm.StepTrace.from_pool(pool, live, 4), None
+    sampler.other, sampler._model = _step_trace.StepTrace.from_pool(pool, live, 4), None
     assert _recording.scaled_peak(sampler.template, 2.0) == 14 * MiB
     assert _recording.scaled_peak(sampler.steep, 2.0) == 21 * MiB
     models = sampler.model()
@@ -647,7 +648,7 @@ def test_two_steps_in_different_orders_each_scaled_and_the_larger_need_kept():
         pool.trace_start(1 << 16)
         ordered_step(pool, b, together)
         pool.trace_start(0)
-        return mm.StepTrace.from_pool(pool, live, b)
+        return _step_trace.StepTrace.from_pool(pool, live, b)
     small, large = rec(8, 3), rec(32, 2)
     thrifty = mm.StepModel.build(large, small)
     both = mm.StepModels([thrifty, mm.StepModel.build(small, large)])
@@ -676,7 +677,7 @@ def _steps_with_an_extra_weight_sized_block(free_extra):
             if a:
                 pool.free(a)
         pool.trace_start(0)
-        traces.append(mm.StepTrace.from_pool(pool, live, b))
+        traces.append(_step_trace.StepTrace.from_pool(pool, live, b))
         if extra and not free_extra:
             pool.free(extra)
     return traces
@@ -689,7 +690,7 @@ def test_a_block_one_step_made_and_the_other_did_not_is_not_read_as_growth():
     t16, t8 = _steps_with_an_extra_weight_sized_block(free_extra=True)
     model = mm.StepModel.build(t16, t8)
     idx = t16.allocations()
-    fixed_lo, lo, fixed_hi, hi = mm._match(t16, t8, (), t16.start_size)
+    fixed_lo, lo, fixed_hi, hi = _model_build.match(t16, t8, (), t16.start_size)
     sizes = t16.size[idx]
     assert all(hi[k] == 0 and fixed_hi[k] == 2 * MiB for k in np.flatnonzero(sizes == 2 * MiB))
     # The need grows by the activations only: 64 KiB a sample.
@@ -698,11 +699,11 @@ def test_a_block_one_step_made_and_the_other_did_not_is_not_read_as_growth():
 
 def test_a_weight_sized_block_live_at_the_steps_end_is_state_not_an_activation():
     t16, t8 = _steps_with_an_extra_weight_sized_block(free_extra=False)
-    assert list(mm._live_at_end(t16)) == [False, False, True]
-    fixed_lo, lo, fixed_hi, hi = mm._match(t16, t8, (), t16.start_size)
+    assert list(_model_build.live_at_end(t16)) == [False, False, True]
+    fixed_lo, lo, fixed_hi, hi = _model_build.match(t16, t8, (), t16.start_size)
     assert hi[2] == 0 and fixed_hi[2] == 2 * MiB
     # Without a weight of its size it stays bounded on the safe side (proportional above).
-    fixed_lo, lo, fixed_hi, hi = mm._match(t16, t8, (), [])
+    fixed_lo, lo, fixed_hi, hi = _model_build.match(t16, t8, (), [])
     assert hi[2] == 2 * MiB / 16
 
 
@@ -717,7 +718,7 @@ def test_a_nested_fits_trace_leaves_out_the_batches_the_run_around_it_prepared()
     pool.trace_start(1 << 10)
     pool.free(pool.allocate(8 * 64 * 1024, batch=True, kind="kernel"))
     pool.trace_start(0)
-    t = mm.StepTrace.from_pool(pool, live, 8)
+    t = _step_trace.StepTrace.from_pool(pool, live, 8)
     t.observed_peak = 2 * MiB + 16 * 2048 + 8 * 2048 + 8 * 64 * 1024
     out = _recording.without_outer_batches(t, outer)
     assert sorted(out.start_size.tolist()) == [8 * 2048, 2 * MiB]
