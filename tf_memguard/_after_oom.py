@@ -9,7 +9,7 @@ where the model says the limit is. The answer is the largest size whose run comp
 picks where to look, the runs decide. On a tf.data dataset the short runs are on its first
 batches as arrays, with room for what its pipeline holds beside the steps (_dataset_sample).
 """
-from tf_memguard import _recording
+from tf_memguard import _dataset_sample, _recording
 from tf_memguard._memory_model import RUN_SPREAD, StepModel, StepModels, order_gap
 
 # After an OOM at b0 the runs go down from b0 // 2 by this factor until one completes:
@@ -70,7 +70,7 @@ def model_after_oom(sampler, model):
     once a run of CONFIRM_STEPS steps at it completed too where the runs went up. The
     failed step up to its refusal is the retry's first step, and must fit too. None when
     no complete step could be had."""
-    if not sampler.after_oom_needs_steps():
+    if not needs_steps(sampler):
         return sampler.model()
     # On a tf.data dataset: its first batches, as arrays, for the short runs.
     if not sampler.data.sample_dataset(sampler.b0):
@@ -114,7 +114,7 @@ def model_after_oom(sampler, model):
         # retry's later epochs hold it.)
         extra = _recording.joined(unmet(template), _recording.stale_batches(sampler.data.x, sampler.data.y,
                                                                             template.batch_size, model),
-                                  sampler.pipeline_extra(), sampler.data.unmet_copies(template, train=False))
+                                  pipeline_extra(sampler), sampler.data.unmet_copies(template, train=False))
         return StepModel.build(plain(template), plain(other) if other is not None else None,
                                extra_start=extra, epoch=sampler.data.epoch)
 
@@ -303,3 +303,28 @@ def settle(first, pending, too_large, run_at, confirm, runs=None):
         else:
             too_large = min(too_large, size)
     return known, too_large
+
+
+def needs_steps(sampler):
+    """True when the advice after the refused step needs steps of its own (array data,
+    or a tf.data dataset to sample them from, and no complete step recorded at the
+    failed size, or a model of the steps that completed there that says the size fits:
+    the refusal showed it wrong there, and it cannot place the answer); else
+    model_after_oom() is the recorded steps' model. The zoo's embedding model at 1,316
+    (823 trains): steps completed, the next was refused (12.2 MiB asked with 70.3 of
+    76 MiB in use), their model said 1,316 fits, and the answer was 1,315, whose retry
+    ran out."""
+    if not sampler.data.usable:
+        return False
+    if sampler.template is None:
+        return True
+    model = sampler.model()
+    return model is not None and model.fits(sampler.b0, sampler.pool.stats()["bytes_limit"])
+
+
+def pipeline_extra(sampler):
+    """After an OOM on a dataset: its pipeline's buffers that do not grow with the batch,
+    as measured in the failed step, as one more block at a step's start (short runs on
+    arrays do not meet them; _dataset_sample.pipeline_extra), or None."""
+    return _dataset_sample.pipeline_extra(sampler.prefix) if sampler.data.from_dataset and sampler.prefix is not None \
+        else None

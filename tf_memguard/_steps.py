@@ -28,9 +28,8 @@ retry must fit too), and, once the failed fit()'s data is out of the pool, short
 runs of its own on all the samples at smaller sizes (down to one that completes, then
 up: _after_oom).
 """
-from tf_memguard import _after_oom, _backend, _core, _dataset_sample, _recording
-from tf_memguard._memory_model import ONE_DRAW_SPREAD, RUN_SPREAD, StepModel, StepModels, alike_groups, order_gap
-from tf_memguard._step_trace import _ALLOC, _FREE, _OVERSHOOT, KINDS, kind_of
+from tf_memguard import _after_oom, _backend, _core, _recording, _run_model
+from tf_memguard._memory_model import alike_groups, order_gap
 from tf_memguard._step_data import StepData
 
 # The smallest partial last batch used as the second size, as a share of b0: below that,
@@ -242,57 +241,11 @@ class StepSampler:
     # -- the model ---------------------------------------------------------------------
 
     def model(self, observed_peak=0):
-        """The StepModel from the steps recorded (None before a complete step), with the
-        spread from `observed_peak` (the highest step peak fit() showed at b0)."""
+        """The StepModels of the steps recorded (None before a complete step), with the
+        spread from `observed_peak` (the highest step peak fit() showed at b0):
+        _run_model.models_of."""
         if self._model is None and (self.template is not None or self.first is not None):
-            order = self.order_bytes()
-
-            def steady_of(trace, peak):
-                return StepModel.build(trace, self.other, observed_peak=peak or None,
-                                       extra_start=_recording.joined(self._unmet_prepared(trace),
-                                                                     self.data.unmet_copies(trace)),
-                                       epoch=self.data.epoch, order_bytes=order, layout_bytes=self.layout_bytes())
-            steady = steady_of(self.template, observed_peak) if self.template is not None else None
-            # The steepest order too (self.steep), with its own peak: the template's order
-            # is the highest at b0, not at the size asked about. The zoo's wide MLP at 174
-            # (50 MiB): its templates' peaks were alike in every process (47.39 MiB), but
-            # scaled to 348 their replays needed 47.9 to 49.6 MiB (a step at 348: 49.6),
-            # and the advice named 298 to 446 from process to process (348 trains).
-            steep = steady_of(self.steep, self.steep_peak) \
-                if self.steep is not None and self.steep is not self.template else None
-            # (Not the first step's: a run's first step meets the pipeline as it starts.)
-            # (Its copies: the training arrays', never the validation arrays', which a run's
-            # first step is always without.)
-            alone = self.template is None and self.steep is None
-            # A first step alone (a run stopped after it: XLA's buffers or oneDNN's kernels
-            # granted over the budget) stands for the steps after it: what it made and kept
-            # (the optimizer's slots, where fit() builds them in it) is live at their start,
-            # and it is one draw of the orders, which the steps after a fit()'s first peaked
-            # up to 1/7 of their growth above (ONE_DRAW_SPREAD). keras.applications'
-            # ConvNeXtTiny with AdamW under 1,100 MiB at 171: its first step began with 112
-            # MiB and peaked at 1,122; the steps after it began with 329 and peaked at 1,253
-            # to 1,277, and the model of the first step alone named 200, then 149, which
-            # XLA's buffers passed the budget at.
-            first = StepModel.build(self.first, self.other, first=True, epoch=self.data.epoch, order_bytes=order,
-                                    extra_start=_recording.joined(
-                                        self.data.unmet_copies(self.first, validation=False),
-                                        kept_blocks(self.first) if alone else None),
-                                    unseen_share=ONE_DRAW_SPREAD if alone else RUN_SPREAD) \
-                if self.first is not None else None
-            domain = "static" if self.static else "all"
-            models, domains = [steady, first, steep], [domain, domain, domain]
-            start = self.template or self.first
-            if self.static and self.lone is not None and self.lone.complete:
-                # The other trace: the short fit()'s step, for the sizes that do not divide
-                # the samples.
-                # (The run's layout too: the retry runs epochs on the pool.)
-                models.append(StepModel.build(self.lone, start, epoch=self.data.epoch, order_bytes=order,
-                                              order_batch=self.b0,
-                                              layout_bytes=self.layout_bytes(),
-                                              extra_start=_recording.joined(self.data.unmet_copies(self.lone),
-                                                                            self.lone_extra)))
-                domains.append("dynamic")
-            self._model = StepModels(models, domains, samples=self.data.n if self.tf else None)
+            self._model = _run_model.models_of(self, observed_peak)
         return self._model
 
     def order_bytes(self):
@@ -321,16 +274,6 @@ class StepSampler:
         template's replay does not show (StepModel.build's layout_bytes)."""
         return max(0, self.footprint - self.template_footprint) if self.template is not None else 0
 
-    def _unmet_prepared(self, trace):
-        """The batches prepared ahead that other steps at b0 met and `trace` did not (see
-        _recording.unmet_prepared), or None. On the zoo's wide MLP the step that peaked
-        highest once began with none of the three prepared batches (2 MiB at 340) other
-        steps began with, and its model named 369 where 350 ran out; the same run's steps
-        with them named 336."""
-        if trace is None or trace.batch_size != self.b0:
-            return None
-        return _recording.unmet_prepared(trace, self.prepared)
-
     def method(self):
         if self.after_oom:
             what = ("the memory model of short fit() runs after the out-of-memory error at " +
@@ -346,29 +289,6 @@ class StepSampler:
         kept = self._model.spread(self.b0) if self._model is not None else 0
         return what + (f" (kept free at {self.b0} for the peaks and layouts of other steps and orders of the "
                        f"kernels not met: {kept >> 20} MiB)" if kept >= 1 << 20 else "")
-
-    def after_oom_needs_steps(self):
-        """True when the advice after the refused step needs steps of its own (array data,
-        or a tf.data dataset to sample them from, and no complete step recorded at the
-        failed size, or a model of the steps that completed there that says the size fits:
-        the refusal showed it wrong there, and it cannot place the answer); else
-        model_after_oom() is the recorded steps' model. The zoo's embedding model at 1,316
-        (823 trains): steps completed, the next was refused (12.2 MiB asked with 70.3 of
-        76 MiB in use), their model said 1,316 fits, and the answer was 1,315, whose retry
-        ran out."""
-        if not self.data.usable:
-            return False
-        if self.template is None:
-            return True
-        model = self.model()
-        return model is not None and model.fits(self.b0, self.pool.stats()["bytes_limit"])
-
-    def pipeline_extra(self):
-        """After an OOM on a dataset: its pipeline's buffers that do not grow with the batch,
-        as measured in the failed step, as one more block at a step's start (short runs on
-        arrays do not meet them; _dataset_sample.pipeline_extra), or None."""
-        return _dataset_sample.pipeline_extra(self.prefix) if self.data.from_dataset and self.prefix is not None \
-            else None
 
     def use_model(self, model):
         """Makes `model` (StepModels) the one model() returns from now on; returns it."""
@@ -390,23 +310,3 @@ class StepSampler:
         """The largest batch size the advice may name: below the smallest known not to fit,
         and after an OOM whose model was shown wrong, the largest whose step completed."""
         return min(self.too_large - 1, self.cap)
-
-
-def kept_blocks(trace):
-    """(sizes, flags) of the blocks `trace`'s step made and had not freed at its end,
-    untagged and made by kernels (variables and the optimizer's slots, where the step
-    built them), or None: live at the start of the steps after it."""
-    import numpy as np
-    live = {}
-    for op, addr, size, flags in zip(trace.op.tolist(), trace.address.tolist(), trace.size.tolist(),
-                                     trace.flags.tolist()):
-        if op in (_ALLOC, _OVERSHOOT) and addr:
-            live[addr] = (size, flags)
-        elif op == _FREE:
-            live.pop(addr, None)
-    kernel = KINDS.index("kernel")
-    kept = [(size, flags) for size, flags in live.values() if not flags & _core.ALLOC_BATCH and kind_of(flags) == kernel]
-    if not kept:
-        return None
-    return (np.array([k[0] for k in kept], dtype=np.float64),
-            np.array([k[1] & ~_core.ALLOC_MUST_SUCCEED for k in kept], dtype=np.uint32))

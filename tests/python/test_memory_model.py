@@ -11,7 +11,7 @@ import numpy as np
 
 import tf_memguard
 from tf_memguard import _memory_model as mm
-from tf_memguard import _model_build, _step_trace
+from tf_memguard import _after_oom, _model_build, _step_trace
 
 MiB = 1 << 20
 
@@ -572,7 +572,7 @@ def test_after_an_oom_a_model_that_says_the_failed_size_fits_does_not_give_the_a
     # The zoo's embedding model at 1,316: steps completed, the next was refused, and the
     # completed steps' model, which said 1,316 fits, named 1,315 (823 trains). Where the
     # model says the failed size fits, the refusal showed it wrong: short runs of its own
-    # decide (after_oom_needs_steps); where it says it does not, its answer stands.
+    # decide (_after_oom.needs_steps); where it says it does not, its answer stands.
     from tf_memguard._steps import StepSampler
 
     def sampler_after_oom(budget):
@@ -593,10 +593,10 @@ def test_after_an_oom_a_model_that_says_the_failed_size_fits_does_not_give_the_a
         return sampler
 
     shown_wrong = sampler_after_oom(1 << 30)
-    assert shown_wrong.model().fits(8, 1 << 30) and shown_wrong.after_oom_needs_steps()
+    assert shown_wrong.model().fits(8, 1 << 30) and _after_oom.needs_steps(shown_wrong)
     budget = int(19.5 * MiB)   # the steps fit, the model (with its margins) says 8 does not
     told = sampler_after_oom(budget)
-    assert not told.model().fits(8, budget) and not told.after_oom_needs_steps()
+    assert not told.model().fits(8, budget) and not _after_oom.needs_steps(told)
 
 
 def test_steps_whose_start_differs_by_less_than_a_granule_are_alike():
