@@ -22,7 +22,7 @@ and of each epoch's last step, so that an OOM is raised where it happened.
 import itertools
 import time
 
-from tf_memguard import _xla, _xla_step
+from tf_memguard import _xla, _xla_advice, _xla_step
 from tf_memguard._units import format_bytes
 
 
@@ -134,7 +134,7 @@ class XlaRun:
                                                         ahead=1 if self.on_gpu else 0)
                 self.oom = (f"{self.device}: compiling the training step at batch {batch} ran out of memory (XLA's "
                             f"autotuning tries algorithms with scratch space under the cap; {str(e).splitlines()[0]}); "
-                            "it was not run and the model is unchanged. " + self.advice_text(model, below=batch))
+                            "it was not run and the model is unchanged. " + _xla_advice.advice_text(self, below=batch))
                 raise self.error(self.oom) from e
             raise
         if new:  # compiling (autotuning on GPU) is not the step: its scratch is not in the epoch's peak
@@ -152,7 +152,7 @@ class XlaRun:
         self.step_peaks[batch] = raw
         if self.budget and (peak > self.budget or not self.model.contiguous_fits(compiled.temp, margin=False)):
             self.restore(model, state)  # nothing was donated: the step did not run
-            self.oom = self.refusal_text(batch, compiled, outside, peak, model)
+            self.oom = _xla_advice.refusal_text(self, batch, compiled, outside, peak)
             raise self.error(self.oom)
         if self.enforced and self.budget and peak >= self.cb.warn_at * self.budget and self._snapshot is None:
             import jax
@@ -192,57 +192,11 @@ class XlaRun:
         # XLA's own words first, so that handlers that look for them catch it too.
         return budget_exceeded_error()("RESOURCE_EXHAUSTED: tf_memguard: " + message)
 
-    # -- the words -------------------------------------------------------------------------
-
-    def advice_text(self, model, below=None):
-        from tf_memguard import _advice
-        s = self.suggestion(below=below)
-        self.last_suggestion = s
-        return _advice.advice_sentence(s, self.run_batch) if s else ""
+    # -- the words (_xla_advice) --------------------------------------------------------------
 
     def suggestion(self, below=None):
-        """The Suggestion for the budget from the compiled step (a few more compilations at
-        the sizes the line names; only a compiled size is suggested)."""
-        from tf_memguard import _advice
-        if not self.budget or self.model is None:
-            return None
-        at_most = self.samples or None
-        if below:
-            at_most = min(at_most or below - 1, below - 1)
-        self.model.residual = self.residual
-        size = _xla_step.verified_largest(self.model, self.compiler, self.budget, at_most=at_most, oom=_xla.is_oom,
-                                          multiple=len(self.devices))
-        if not self.model.points:
-            return None
-        s = _advice.suggest(self.model, self.budget, running=self.run_batch, at_most=at_most,
-                            method=self.method())
-        if s.batch_size != size:  # only a size whose compiled step was checked is suggested
-            import dataclasses
-            one = max(self.model.budget_for(1), self.budget + (1 << 20)) if size == 0 else 0
-            s = dataclasses.replace(s, batch_size=size, predicted_peak_bytes=self.model.budget_for(size) if size else 0,
-                                    one_sample_bytes=one)
-        return s
-
-    def method(self):
-        sizes = ", ".join(str(p[0]) for p in self.model.points)
-        extra = f", {format_bytes(self.residual)} measured beyond it" if self.residual else ""
-        if self.model.margin:
-            extra += f", {format_bytes(self.model.margin)} kept for a recompile's matmul workspace"
-        return f"the step XLA compiled (batch sizes {sizes}{extra})"
-
-    def refusal_text(self, batch, compiled, outside, peak, model):
-        where = "XLA's cap" if self.enforced else "the budget (checked against the compiled step: XLA's CPU client has no cap)"
-        free = self.model.largest_free if self.model is not None else 0
-        if free and peak <= self.budget:
-            return (f"{self.device}: the training step at batch {batch} needs one buffer of {format_bytes(compiled.temp)} "
-                    f"for its temporaries, and the largest free block under XLA's cap is {format_bytes(free)} (in all "
-                    f"{format_bytes(peak)} of {format_bytes(self.budget)}); it was not run and the model is unchanged. "
-                    + self.advice_text(model, below=batch))
-        text = (f"{self.device}: the training step at batch {batch} needs about {format_bytes(peak)} "
-                f"({format_bytes(compiled.temp)} of temporaries, {format_bytes(compiled.argument)} of arguments "
-                f"(weights, optimizer state, the batch), beside {format_bytes(outside)} live outside it), more than "
-                f"{where} of {format_bytes(self.budget)}; it was not run and the model is unchanged. ")
-        return text + self.advice_text(model, below=batch)
+        """The Suggestion for the budget from the compiled step (_xla_advice.suggestion)."""
+        return _xla_advice.suggestion(self, below=below)
 
     def explain_runtime_oom(self, error, compiled, peak):
         s = self._stats()
@@ -257,7 +211,7 @@ class XlaRun:
         # The step did not fit though its prediction did: it needs more than the cap.
         raw = self.step_peaks.get(compiled.batch_size, peak)
         self.residual = max(self.residual, self.budget - raw + (1 << 20))
-        self.oom = text + self.advice_text(None, below=compiled.batch_size)
+        self.oom = text + _xla_advice.advice_text(self, below=compiled.batch_size)
         if hasattr(error, "add_note"):
             error.add_note("tf_memguard: " + self.oom)
 
