@@ -304,20 +304,102 @@ def _weight_copies(size, candidates, weight_sizes):
 
 def _ordered_pairs(template, other):
     """(template allocation, other allocation) index pairs of two steps recorded in the same
-    order, aligned on the sequence of their allocations and frees (difflib), of one kind."""
-    import difflib
-
+    order, aligned on the sequence of their allocations (by kind) and frees (_align)."""
     def events(t):
-        allocs = t.allocations()
         token = np.where(t.op == _FREE, 0, 1 + kind_of(t.flags)).astype(np.int64)
-        return [int(v) for v in token], {int(e): k for k, e in enumerate(allocs.tolist())}
-    a, a_index = events(template)
-    b, b_index = events(other)
-    pairs = []
-    for block in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
-        for k in range(block.size):
-            i, j = block.a + k, block.b + k
-            if i in a_index and j in b_index:
-                pairs.append((a_index[i], b_index[j]))
-    return pairs
+        rank = np.full(len(token), -1, dtype=np.int64)
+        rank[t.allocations()] = np.arange(len(t.allocations()))
+        return token, rank
+    a, a_rank = events(template)
+    b, b_rank = events(other)
+    i, j = _align(a, b)
+    keep = (a_rank[i] >= 0) & (b_rank[j] >= 0)
+    return list(zip(a_rank[i][keep].tolist(), b_rank[j][keep].tolist()))
 
+
+# How far _align looks, in tokens, for the two sides to agree again where they part (each
+# side; beyond it, the nearest place where the next _KEY tokens agree). A layer's kernels
+# make a few events each (an output, a workspace and its free): 64 holds a few layers.
+_REACH = 64
+# Tokens a resynchronisation key holds (_align): 12 tokens of 5 bits (a free, or 1 + one of
+# 16 kinds) in one int64.
+_KEY = 12
+
+
+def _keys(tok):
+    n = len(tok) - _KEY + 1
+    h = np.zeros(max(n, 0), dtype=np.int64)
+    for t in range(_KEY if n > 0 else 0):
+        h |= tok[t:t + n].astype(np.int64) << (5 * t)
+    return h
+
+
+def _positions(keys):
+    """key -> its positions in `keys`, ascending."""
+    order = np.argsort(keys, kind="stable")
+    ks = keys[order]
+    cuts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]]) if len(ks) else np.zeros(0, dtype=np.int64)
+    return {int(ks[c]): order[c:e] for c, e in zip(cuts, np.r_[cuts[1:], len(ks)])}
+
+
+def _next(index, key, at):
+    """The first position at or after `at` where `key` begins, or None."""
+    pos = index.get(int(key))
+    if pos is None:
+        return None
+    k = int(np.searchsorted(pos, at))
+    return int(pos[k]) if k < len(pos) else None
+
+
+def _run(a, b, i, j):
+    """How many tokens from a[i] and b[j] on are equal, compared a chunk at a time."""
+    k, chunk, n, m = 0, 256, len(a), len(b)
+    while i + k < n and j + k < m:
+        size = min(chunk, n - i - k, m - j - k)
+        ne = np.flatnonzero(a[i + k:i + k + size] != b[j + k:j + k + size])
+        if len(ne):
+            return k + int(ne[0])
+        k += size
+        chunk *= 2
+    return k
+
+
+def _align(a, b):
+    """The aligned positions (i, j) of equal tokens of two token sequences. Equal runs pair
+    in step; where the sides part, each way on is tried, a token changed in place, up to
+    _REACH tokens that one side added, or the nearest place where the one side's next
+    _KEY tokens begin again in the other, and the way whose run of equal tokens goes
+    furthest is taken (the nearest of those that go as far). Steps of one order differ in a
+    few places (a workspace one size asks for), and a step's tokens repeat with its layers,
+    so that many ways on agree for a while: the furthest run is the one that ends where
+    both sequences end, as difflib's longest match, which was used before and took
+    minutes on the 30,000 events of a step of keras.io's MLP-Mixer on PyTorch (few kinds of
+    token: the worst case of its search); find_batch_size never returned."""
+    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+    n, m = len(a), len(b)
+    ka, kb = _keys(a), _keys(b)
+    ia, ib = _positions(ka), _positions(kb)
+    out_i, out_j = [], []
+    i = j = 0
+    while i < n and j < m:
+        k = _run(a, b, i, j)
+        if k:
+            out_i.append(np.arange(i, i + k))
+            out_j.append(np.arange(j, j + k))
+            i, j = i + k, j + k
+        if i >= n or j >= m:
+            break
+        ways = {(1, 1)}
+        ways.update((d, 0) for d in range(1, min(_REACH, n - i - 1) + 1))
+        ways.update((0, d) for d in range(1, min(_REACH, m - j - 1) + 1))
+        p = _next(ib, ka[i], j + 1) if i < len(ka) else None
+        if p is not None:
+            ways.add((0, p - j))
+        q = _next(ia, kb[j], i + 1) if j < len(kb) else None
+        if q is not None:
+            ways.add((q - i, 0))
+        di, dj = max(ways, key=lambda w: (_run(a, b, i + w[0], j + w[1]), -(w[0] + w[1])))
+        i, j = i + di, j + dj
+    if not out_i:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(out_i), np.concatenate(out_j)

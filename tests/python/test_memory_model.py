@@ -2,6 +2,7 @@
 pool directly: which blocks are fixed, proportional or capped, the replay through the pool's
 own code, the largest batch size that fits, and the saved model. No TensorFlow (one test
 imports Keras to size a batch)."""
+import dataclasses
 import json
 import re
 import subprocess
@@ -726,3 +727,63 @@ def test_a_nested_fits_trace_leaves_out_the_batches_the_run_around_it_prepared()
     # A block freed and made again at the same place is the nested fit's own: kept.
     assert len(_recording.without_outer_batches(t, {"address": np.array([1]), "size": np.array([32768])}).start_size) == 3
     pool.free(own), pool.free(outer_batch)
+
+
+def long_ordered_step(pool, b, layers, extra_at=None):
+    """A step of `layers` layers in one order (PyTorch's eager steps): each an activation of
+    b x 4 KiB x (1 + layer % 7), kept for the backward pass, and a 1 KiB temporary; at layer
+    `extra_at` a 3 MiB workspace the step at the other size did not ask for. Then the
+    activations are freed, last first."""
+    live = pool.live_blocks()
+    pool.trace_start(1 << 20)
+    acts = []
+    for layer in range(layers):
+        acts.append(pool.allocate(b * 4096 * (1 + layer % 7), kind="kernel"))
+        pool.free(pool.allocate(1024, kind="kernel"))
+        if layer == extra_at:
+            pool.free(pool.allocate(3 * MiB, kind="kernel"))
+    for a in reversed(acts):
+        pool.free(a)
+    pool.trace_start(0)
+    return dataclasses.replace(_step_trace.StepTrace.from_pool(pool, live, b), ordered=True)
+
+
+def test_long_steps_in_one_order_are_aligned_block_by_block_where_one_asked_for_more():
+    # Two steps of 3,000 layers (15,000 events each, about half a step of keras.io's
+    # MLP-Mixer on PyTorch) in one order, the larger with a workspace the other lacks:
+    # every activation is paired with its own at the other size, so the model scales each
+    # exactly. (difflib's alignment took minutes on such steps: find_batch_size on the
+    # Mixer never returned.)
+    pool = tf_memguard.Pool(max_bytes=1 << 34, upstream="host_lazy")
+    layers = 3000
+    at32 = long_ordered_step(pool, 32, layers, extra_at=1500)
+    at16 = long_ordered_step(pool, 16, layers)
+    pairs = dict(_model_build._ordered_pairs(at32, at16))
+    sizes32, sizes16 = at32.size[at32.allocations()], at16.size[at16.allocations()]
+    acts32 = [k for k, v in enumerate(sizes32.tolist()) if v >= 16 * 4096 and v != 3 * MiB]
+    acts16 = [k for k, v in enumerate(sizes16.tolist()) if v >= 16 * 4096]
+    assert len(acts32) == len(acts16) == layers
+    # Each activation's partner is its own layer's, but for the one beside the workspace
+    # (a layer's tokens repeat: which of two alike blocks the workspace pairs with is a
+    # tie; difflib, used before, paired it with a temporary, this with the activation,
+    # whose line the sizes then rule out: left bounded, scaled as a whole).
+    partners = [pairs.get(i) for i in acts32]
+    assert sum(p == j for p, j in zip(partners, acts16)) >= layers - 1
+    assert all(p is None or p == j for p, j in zip(partners, acts16))
+    model = mm.StepModel.build(at32, at16)
+    acts = sum(64 * 4096 * (1 + layer % 7) for layer in range(layers))
+    assert model.need(64)["peak_account"] == acts + 1024
+
+
+def test_align_pairs_equal_tokens_around_what_one_side_added_or_changed():
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 4, 20000)
+    b = np.concatenate([a[:5000], [9, 9, 9], a[5000:12000], a[12004:]])   # 3 added, 4 left out
+    b[15000] = 8                                                        # one changed in place
+    i, j = _model_build._align(a, b)
+    assert (a[i] == b[j]).all() and (np.diff(i) > 0).all() and (np.diff(j) > 0).all()
+    truth = dict(zip(range(5000), range(5000)))
+    truth.update(zip(range(5000, 12000), range(5003, 12003)))
+    truth.update((k, k - 1) for k in range(12004, 20000) if k - 1 != 15000)
+    got = dict(zip(i.tolist(), j.tolist()))
+    assert sum(got.get(k) == v for k, v in truth.items()) >= len(truth) - 8   # a few ties at the edges
