@@ -21,6 +21,8 @@ class Suggestion:
         method: how the model was made ("2 steps recorded (batch sizes 64 and 32)", ...).
         one_sample_bytes: when none fits, the budget a batch of 1 would need (else 0).
         running_bytes: the budget the running batch size would need, when known (else 0).
+        fixed_batch: the batch size the model's inputs fix (_fit_args.fixed_batch_size),
+            the only one it can run; else 0.
     """
 
     batch_size: int
@@ -29,17 +31,26 @@ class Suggestion:
     method: str
     one_sample_bytes: int = 0
     running_bytes: int = 0
+    fixed_batch: int = 0
 
     @property
     def fits_none(self):
         return self.batch_size == 0
 
 
-def suggest(model, budget, running=None, at_most=None, method="", at_least=0):
+def suggest(model, budget, running=None, at_most=None, method="", at_least=0, fixed=None):
     """The Suggestion of `model` (a StepModel) for `budget` bytes; `running`: the batch
     size in use (its budget is worked out too when it does not fit); `at_most`: the
     samples there are (no batch is larger); `at_least`: a size known to fit (a step of it
-    completed under the budget), which the answer never goes below."""
+    completed under the budget), which the answer never goes below; `fixed`: the only
+    batch size the model can run (its inputs fix it), named if it fits, else none."""
+    if fixed:
+        fits = (at_most is None or fixed <= at_most) and (at_least == fixed or model.fits(fixed, budget))
+        need = 0 if fits else max(model.budget_for(fixed), budget + (1 << 20))
+        return Suggestion(batch_size=int(fixed) if fits else 0, budget_bytes=int(budget),
+                          predicted_peak_bytes=int(model.need(fixed)["peak_account"]),
+                          method=method + f"; the model's inputs fix the batch size at {fixed}",
+                          running_bytes=int(need), fixed_batch=int(fixed))
     size = model.largest_fitting(budget, at_most=at_most)
     if at_least and (at_most is None or at_least <= at_most):
         size = max(size, at_least)
@@ -55,6 +66,15 @@ def suggest(model, budget, running=None, at_most=None, method="", at_least=0):
 def advice_sentence(s, running):
     """What to do, in a sentence or two (the end of the OOM note and of the warning)."""
     now = f" (now {running})" if running else ""
+    if s.fixed_batch:
+        if not s.fits_none:
+            return f"The model's inputs fix the batch size at {s.fixed_batch}, and it fits."
+        need = (f"its step needs about {format_bytes(s.running_bytes)}: pass max_bytes of at least that"
+                if s.running_bytes else f"its step does not fit the {format_bytes(s.budget_bytes)} budget: pass a "
+                                        "larger max_bytes")
+        return (f"The model's inputs fix the batch size at {s.fixed_batch} (keras.Input(batch_shape=...)), the only "
+                f"one it can run, and {need} to tf_memguard.install(), or build the model's inputs for a smaller "
+                "batch size.")
     if s.fits_none:
         text = (f"No batch size fits the {format_bytes(s.budget_bytes)} budget: even a batch of 1 needs about "
                 f"{format_bytes(s.one_sample_bytes)} for what the step holds whatever its batch size (weights, "

@@ -242,11 +242,17 @@ class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
         if model is None:
             peaks = self._monitor.peaks_at(self._run_batch)
             model = self._sampler.model(observed_peak=max(peaks) if peaks else 0)
+        fixed = _fit_args.fixed_batch_size(self.model)
         if model is None:
+            if fixed and below is not None and below <= fixed:
+                # Refused at the only size the model runs, before any step completed.
+                return _advice.Suggestion(batch_size=0, budget_bytes=int(self._budget), predicted_peak_bytes=0,
+                                          method=f"the model's inputs fix the batch size at {fixed}",
+                                          fixed_batch=int(fixed))
             return None
         at_most = self._n if below is None else min(self._n or below - 1, below - 1)
         return _advice.suggest(model, self._budget, running=self._run_batch, at_most=at_most,
-                               method=self._sampler.method(), at_least=at_least)
+                               method=self._sampler.method(), at_least=at_least, fixed=fixed)
 
     # -- the report ----------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import dataclasses
 import warnings
 import weakref
 
-from tf_memguard import _advice, _after_oom, _backend, _core, _guard, _oom, _workers
+from tf_memguard import _advice, _after_oom, _backend, _core, _fit_args, _guard, _oom, _workers
 from tf_memguard._errors import budget_exceeded_error
 from tf_memguard._units import format_bytes
 
@@ -129,7 +129,9 @@ class FailureHandling:
             if self._sampler and self._budget:
                 # In a multi-worker run no step can run after the failure (its collectives
                 # are aborted): the advice is what the steps recorded before it give.
-                if _after_oom.needs_steps(self._sampler) and self._cluster is None:
+                # (A model whose inputs fix the batch size runs no other: no steps.)
+                if _after_oom.needs_steps(self._sampler) and self._cluster is None \
+                        and _fit_args.fixed_batch_size(self.model) is None:
                     # Steps run now would meet the failed fit()'s data and batches, which
                     # the retry will not: the size is worked out when first read.
                     pending = _after_oom_resolver(self)

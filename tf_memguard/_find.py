@@ -1,7 +1,7 @@
 """find_batch_size(): the largest batch size that fits, from the memory model of two
 recorded steps of fit(), without a full run."""
 from tf_memguard import _backend, _core, _install
-from tf_memguard._fit_args import fed_nbytes, is_sliceable
+from tf_memguard._fit_args import fed_nbytes, fixed_batch_size, is_sliceable
 from tf_memguard._memory_model import ONE_DRAW_SPREAD, StepModel, StepModels
 from tf_memguard._recording import (SHORTFALL_FLAGS, StepRecorder, abort_all, epoch_of, fit_steps, joined,
                                     prepared_bytes, stale_batches, unmet_prepared, without_blocks)
@@ -65,13 +65,17 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     Returns:
         The batch size (an int).
 
+    A model whose inputs fix the batch size (keras.Input(batch_shape=(B, ...)), as a
+    stateful recurrent layer needs) runs no other: its one step at B is run, and B is
+    the answer if it fits.
+
     Raises:
         ValueError: the model is not compiled, there is no budget, x is empty, or x is
             not arrays (a tf.data dataset, a generator, a PyDataset: their batches are
             their own).
         tf_memguard.OutOfBudgetError: not even the first batch size tried fits (`start`
-            given), or not even a batch of 1 (`start` left to its default); the message
-            says which budget would.
+            given), or not even a batch of 1 (`start` left to its default), or the batch
+            size the model's inputs fix; the message says which budget would.
 
     Example:
         >>> tf_memguard.install(max_bytes="1GiB")
@@ -128,6 +132,10 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     first_steps = FIRST_STEPS
     # fit() at the answer runs epochs over the arrays, whose prepared batches they bound.
     epoch = epoch_of(x, y, n) if _backend.framework() == "tensorflow" else None
+    fixed = fixed_batch_size(model)
+    if fixed is not None:
+        # The only size the model runs: one step at it, and no other size tried.
+        start, steps = fixed, first_steps
     try:
         b1 = min(int(start) if start else 32, n)
         first = steps_at(b1, first_steps)
@@ -144,6 +152,11 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         if first is None or not first.complete:
             m = StepModel.build(first, None) if first is not None else None
             need = f"; it needs more than {format_bytes(m.need(b1)['peak_account'] + sum(copies))}" if m else ""
+            if fixed is not None:
+                raise _core.OutOfBudgetError(
+                    f"find_batch_size: the model's inputs fix the batch size at {fixed} (keras.Input(batch_shape="
+                    f"...)), the only one it can run, and it does not fit the {format_bytes(budget)} budget with "
+                    f"this data{need}; pass a larger max_bytes, or build the model's inputs for a smaller batch size")
             raise _core.OutOfBudgetError(f"find_batch_size: not even a batch of {b1} fits the {format_bytes(budget)} "
                                          f"budget with this data{need}; pass a larger max_bytes"
                                          + (" or a smaller start" if b1 > 1 else ""))
@@ -228,6 +241,12 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         # the most that trained). It may be below the last size that completed (a step that
         # ran without Keras' copy of the arrays, for which the room is kept).
         size = min(current.largest_fitting(room, at_most=n), too_large - 1, good.batch_size)
+        if fixed is not None and size < fixed:
+            raise _core.OutOfBudgetError(
+                f"find_batch_size: the model's inputs fix the batch size at {fixed} (keras.Input(batch_shape=...)), "
+                f"the only one it can run; its step ran, but with room for Keras' copy of the data "
+                f"({format_bytes(sum(copies))}) it does not fit the {format_bytes(budget)} budget; pass a larger "
+                f"max_bytes")
         if size < 1:
             raise _core.OutOfBudgetError(
                 f"find_batch_size: a batch of {good.batch_size} ran, but not even a batch of 1 fits the "
@@ -257,7 +276,14 @@ def _find_xla(model, x, y, max_bytes, device, n, start):
                          "tf_memguard.install() first")
     budget = installed.max_bytes if max_bytes is None else parse_bytes(max_bytes, installed.total_memory
                                                                        if installed else 1 << 40)
-    size, model_ = _xla_step.find(model, x, y, budget, device, n, start)
+    fixed = fixed_batch_size(model)
+    size, model_ = _xla_step.find(model, x, y, budget, device, n, start, fixed=fixed)
+    if size < 1 and fixed is not None:
+        raise _core.OutOfBudgetError(
+            f"find_batch_size: the model's inputs fix the batch size at {fixed} (keras.Input(batch_shape=...)), the "
+            f"only one it can run, and by the compiled step it needs about {format_bytes(model_.budget_for(fixed))}, "
+            f"more than the {format_bytes(budget)} budget; pass a larger max_bytes, or build the model's inputs for "
+            "a smaller batch size")
     if size < 1:
         raise _core.OutOfBudgetError(
             f"find_batch_size: not even a batch of 1 fits the {format_bytes(budget)} budget by the compiled step: "

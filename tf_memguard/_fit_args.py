@@ -39,6 +39,27 @@ def is_sliceable(data):
     return bool(leaves) and all(getattr(a, "shape", None) is not None and len(a.shape) > 0 for a in leaves)
 
 
+def fixed_batch_size(model):
+    """The batch size the model's inputs fix (keras.Input(batch_shape=(B, ...)), as a
+    stateful recurrent layer needs), or None: a model built so runs no other batch size
+    (TensorFlow's "Incompatible shapes" at any other), so the advice names that size or
+    none, and never runs steps at others."""
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):  # a subclassed model: no symbolic inputs
+        return None
+    sizes = set()
+    for t in inputs or []:
+        shape = getattr(t, "shape", None)
+        if shape is None or len(shape) == 0:
+            return None
+        sizes.add(shape[0])
+    if len(sizes) != 1:
+        return None
+    size = sizes.pop()
+    return int(size) if isinstance(size, numbers.Integral) and size > 0 else None
+
+
 def is_dataset(data):
     """True for a tf.data dataset."""
     import sys

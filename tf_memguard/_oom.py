@@ -97,7 +97,8 @@ def overshoot_stop(device, kind, granted, peak, budget, step, suggestion=None, r
     """A step whose requests that cannot be refused (XLA's buffers, oneDNN's kernels) were
     granted over the budget: `granted` bytes of them in the run, the step's account
     peaking at `peak`. The run stops after it."""
-    why = {"xla": "XLA's buffers (jit_compile=True) cannot be refused: TensorFlow loses the model's variables "
+    why = {"xla": "XLA's buffers (jit_compile=True, and grouped convolutions, which Keras compiles with XLA on "
+                  "the CPU) cannot be refused: TensorFlow loses the model's variables "
                   "when one is (seen with TensorFlow 2.21)",
            "kernel": "oneDNN kernels crash when an allocation is refused (a TensorFlow bug; start Python with "
                      "TF_ENABLE_ONEDNN_OPTS=0 for a hard budget)"}.get(kind, "those requests cannot be refused")

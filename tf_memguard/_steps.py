@@ -28,7 +28,7 @@ retry must fit too), and, once the failed fit()'s data is out of the pool, short
 runs of its own on all the samples at smaller sizes (down to one that completes, then
 up: _after_oom).
 """
-from tf_memguard import _after_oom, _backend, _core, _recording, _run_model
+from tf_memguard import _after_oom, _backend, _core, _fit_args, _recording, _run_model
 from tf_memguard._memory_model import alike_groups, order_gap
 from tf_memguard._step_data import StepData
 
@@ -197,7 +197,8 @@ class StepSampler:
         """The short fit()'s step at half the running size (the lone step), where fit()
         showed no second size: after the first epoch, or when a run is stopped after its
         first step (XLA's buffers or oneDNN's kernels granted over the budget)."""
-        if (self.template or self.first) is not None and self.other is None and self.b0 > 1:
+        if (self.template or self.first) is not None and self.other is None and self.b0 > 1 \
+                and _fit_args.fixed_batch_size(model) is None:
             self.lone = self.short_fit(model, max(1, self.b0 // 2), steps=LONE_STEPS)
             self.other = self.lone if self.lone is not None and self.lone.complete else None
             # What a step of the run holds beside its own batch that the short run's step

@@ -2,7 +2,7 @@
 compiled step says fits, and why a step was refused."""
 import dataclasses
 
-from tf_memguard import _advice, _xla, _xla_step
+from tf_memguard import _advice, _fit_args, _xla, _xla_step
 from tf_memguard._units import format_bytes
 
 
@@ -23,6 +23,10 @@ def suggestion(run, below=None):
     if below:
         at_most = min(at_most or below - 1, below - 1)
     run.model.residual = run.residual
+    fixed = _fit_args.fixed_batch_size(run.cb.model)
+    if fixed:  # the only size the model runs: no other is compiled
+        return _advice.suggest(run.model, run.budget, running=run.run_batch, at_most=at_most, method=method(run),
+                               fixed=fixed)
     size = _xla_step.verified_largest(run.model, run.compiler, run.budget, at_most=at_most, oom=_xla.is_oom,
                                       multiple=len(run.devices))
     if not run.model.points:

@@ -333,9 +333,13 @@ def first_batch(model, x, y, size):
     raise ValueError("find_batch_size(x=...): x holds no samples")
 
 
-def find(model, x, y, budget, device, samples, start=None):
+def find(model, x, y, budget, device, samples, start=None, fixed=None):
     """The largest batch size whose compiled step fits `budget` (find_batch_size on JAX):
-    no step is run, so nothing can run out of memory and the model is untouched."""
+    no step is run, so nothing can run out of memory and the model is untouched. `fixed`:
+    the only batch size the model runs (its inputs fix it): compiled alone, the answer if
+    it fits, else 0."""
+    if fixed:
+        start = fixed
     import jax
 
     from tf_memguard import _xla
@@ -352,6 +356,8 @@ def find(model, x, y, budget, device, samples, start=None):
     model_ = XlaStepModel(points=[], fixed=outside, ahead=1 if on_gpu else 0,
                           largest_free=int((stats or {}).get("largest_free_block_bytes", 0)))
     model_.add(compiler.at(batch_of(data)))
+    if fixed:
+        return (fixed if model_.fits(fixed, budget) else 0), model_
     devices = distribution_devices()
     size = verified_largest(model_, compiler, budget, at_most=samples, compiles=4, oom=_xla.is_oom,
                             multiple=len(devices) if devices else 1)

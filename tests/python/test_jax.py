@@ -296,3 +296,35 @@ def test_data_parallel_over_two_devices_reports_each_device_and_advises_a_size_t
     # The suggestion divides over the 2 devices, and trains under the check.
     assert d["suggestion"] and d["suggestion"] % 2 == 0 and d["retrained"], d
     assert "per device (2 devices of Keras' distribution" in d["text"]
+
+
+def test_a_model_whose_inputs_fix_the_batch_size_is_advised_that_size_or_none():
+    # keras.Input(batch_shape=(32, ...)) with a stateful LSTM: Keras raises at any other
+    # batch size (before, find_batch_size raised that error and the callback gave no advice).
+    r = run("""
+        import numpy as np, keras, tf_memguard
+        from keras import layers
+        rng = np.random.default_rng(0)
+        x = rng.random((256, 50, 8), dtype=np.float32); y = rng.random((256, 1), dtype=np.float32)
+        def model():
+            i = keras.Input(batch_shape=(32, 50, 8))
+            m = keras.Model(i, layers.Dense(1)(layers.LSTM(64, stateful=True)(i)))
+            m.compile("adam", "mse")
+            return m
+        tf_memguard.install(max_bytes="64MiB", device="CPU:0")
+        m = model()
+        found = tf_memguard.find_batch_size(m, x, y)
+        m.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False,
+              callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        advice = tf_memguard.report().advice
+        try:
+            tf_memguard.find_batch_size(m, x, y, max_bytes="1MiB")
+            small = None
+        except tf_memguard.OutOfBudgetError as e:
+            small = str(e)
+        emit(found=found, advice=advice, small=small)
+    """, env=JAX)
+    assert r.returncode == 0, r
+    assert r.data["found"] == 32
+    assert "fix the batch size at 32" in r.data["advice"], r.data
+    assert r.data["small"] and "fix the batch size at 32" in r.data["small"], r.data
