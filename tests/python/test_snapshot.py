@@ -97,3 +97,27 @@ def test_the_callbacks_second_size_leaves_every_optimizer_of_a_custom_train_step
     d = r.data
     assert "steps at 64 and 32" in d["method"], d   # the short fit() at 32 ran
     assert d["d"] == 16 and d["g"] == 16, d
+
+
+def test_a_restore_the_pool_cannot_copy_into_still_puts_every_value_back():
+    # Near the budget a variable's old buffer and the copy it takes over are live at once:
+    # the copy was refused (a stateful LSTM with Adam under 40 MiB), the error left the
+    # model half restored, and find_batch_size raised TensorFlow's error.
+    r = run("""
+        import numpy as np, tensorflow as tf, keras, tf_memguard
+        from tf_memguard._snapshot import Snapshot
+        tf_memguard.install(max_bytes="32MiB")
+        m = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(1024), keras.layers.Dense(1024)])
+        m.compile("adam", "mse")
+        snap = Snapshot(m)
+        saved = [w.copy() for w in m.get_weights()]
+        m.set_weights([w + 1 for w in saved])
+        s = tf_memguard.stats()
+        fill = tf.ones([(s["bytes_limit"] - s["bytes_in_use"] - (1 << 20)) // 4])   # 1 MiB left: a 4 MiB copy cannot fit
+        refusals = tf_memguard.stats()["num_refusals"]
+        snap.restore()
+        emit(restored=all(np.array_equal(a, b) for a, b in zip(saved, m.get_weights())),
+             refused=tf_memguard.stats()["num_refusals"] - refusals)
+    """, env=HARD)
+    assert r.returncode == 0, r
+    assert r.data["restored"] and r.data["refused"] >= 1, r.data
