@@ -36,6 +36,17 @@ def largest_free(refusal):
     regions on demand (host and CUDA), they are address space, twice the budget: a free
     block can be larger than the budget, and what of it the budget can back decides."""
     largest, allocatable = refusal["largest_free_block_bytes"], refusal["largest_allocatable_bytes"]
+    limit, reserved = refusal.get("bytes_limit", 0), refusal.get("bytes_reserved", 0)
+    req = refusal.get("requested_bytes", 0)
+    if limit and reserved and allocatable >= req and limit - reserved < req:
+        # The pool's bound counts the budget not in use; a request also needs the granules
+        # under it backed, and what is not in use can lie in granules that blocks in use
+        # share, which cannot be backed again. (keras.io's OCR model under 384 MiB: 243 KiB
+        # refused beside "largest free block 768 KiB within the budget".)
+        return (f"less than {format_bytes(req)} once backed "
+                f"({format_bytes(max(0, limit - refusal['bytes_in_use']))} of the budget is not in use but lies in "
+                f"granules that blocks in use share, and {format_bytes(max(0, limit - reserved))} is left to back "
+                "new granules)")
     if allocatable < largest:
         return f"{format_bytes(allocatable)} within the budget"
     return format_bytes(largest)
