@@ -748,7 +748,7 @@ void pool::refuse_locked(std::size_t bytes, std::size_t alignment, unsigned flag
     waited = buf;
   }
   error->message = "cannot allocate " + format_bytes(bytes) + " (" + std::to_string(bytes) +
-                   " bytes): " + state_locked() + waited +
+                   " bytes): " + state_locked(bytes) + waited +
                    ". Free memory, make the request smaller, or raise the budget.";
 }
 
@@ -1174,7 +1174,7 @@ bool pool::last_refusal(tfmg_refusal* out) const {
   return true;
 }
 
-std::string pool::state_locked() const {
+std::string pool::state_locked(std::size_t request) const {
   std::string s;
   if (limit_ == 0) {
     s = format_bytes(pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_) +
@@ -1183,7 +1183,17 @@ std::string pool::state_locked() const {
     s = format_bytes(pooled_in_use_) + " of the " + format_bytes(limit_) + " budget in use, largest free block ";
     const std::size_t largest = largest_free_locked();
     const std::size_t allocatable = largest_allocatable_locked();
-    if (allocatable < largest) {
+    const std::size_t held = held_locked();
+    if (backs_ && request != 0 && allocatable >= request && held <= limit_ && limit_ - held < request) {
+      // The bound above counts the budget not in use; a request also needs the granules
+      // under it backed, and free bytes between blocks in use lie in granules they share.
+      // Refused beside such a bound, the block it names would be larger than the request.
+      const std::size_t in_use = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
+      s += "less than " + format_bytes(request) + " once backed (" +
+           format_bytes(limit_ > in_use ? limit_ - in_use : 0) +
+           " of the budget is not in use but lies in granules that blocks in use share, and " +
+           format_bytes(limit_ - held) + " is left to back new granules)";
+    } else if (allocatable < largest) {
       // Backed on demand, free blocks are address space (address_factor times the
       // budget): what of one the budget can back is the figure that decides.
       s += format_bytes(allocatable) + " within the budget";

@@ -274,7 +274,7 @@ class pool {
   std::size_t largest_free_locked() const;
   std::size_t largest_allocatable_locked() const;
   void fill_stats_locked(tfmg_stats* s) const;
-  std::string state_locked() const;
+  std::string state_locked(std::size_t request = 0) const;
   block* new_block_locked();
   void recycle_block_locked(block* b);
   // bytes_reserved as reported: bytes backed where the upstream backs on demand.

@@ -463,8 +463,8 @@ def test_a_refusal_beside_free_bytes_in_shared_granules_says_why_it_did_not_fit(
     blocks = [pool.allocate(40 * kib) for _ in range(24)]
     for b in blocks[::2]:
         pool.free(b)
-    with pytest.raises(tf_memguard.OutOfBudgetError):
-        pool.allocate(100 * kib)
+    with pytest.raises(tf_memguard.OutOfBudgetError, match="largest free block less than 100 KiB once backed"):
+        pool.allocate(100 * kib)   # the pool's own message too
     refusal = pool.last_refusal()
     assert refusal["largest_allocatable_bytes"] >= 100 * kib   # the pool's bound, not a fit
     text = _oom.explain("CPU:0", refusal)
