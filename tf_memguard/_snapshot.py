@@ -21,6 +21,7 @@ before it ever ran) keeps ``iterations`` and ``learning_rate`` as they were, and
 variables the steps made go to zero (the first state of Adam, SGD's momentum, RMSprop).
 """
 import contextlib
+import gc
 
 
 def _numpy(v):
@@ -75,35 +76,60 @@ class Snapshot:
             self.optimizers.append((opt, saved, bool(getattr(opt, "built", False))))
 
     def restore(self):
+        collected = []  # the cycle collector runs at most once a restore (_in_pool)
         for v, value in self.values:
-            v.assign(_in_pool(value))
+            v.assign(_in_pool(value, collected))
         for opt, saved, was_built in self.optimizers:
             if not was_built and getattr(opt, "built", False):  # built by the steps
                 known = [v for v, _ in saved]
                 for v in opt.variables:
                     if all(v is not k for k in known):
-                        v.assign(_in_pool(_numpy(v) * 0))
+                        v.assign(_in_pool(_numpy(v) * 0, collected))
             for v, value in saved:
-                v.assign(_in_pool(value))
+                v.assign(_in_pool(value, collected))
 
 
-def _in_pool(value):
+def _in_pool(value, collected=None):
     """`value` (a numpy array) as a tensor in the pool, for a variable to take over. On
     TensorFlow a numpy array aligned to 64 bytes becomes a tensor on numpy's own memory,
     and a variable assigned it keeps that memory, outside the pool and the budget (after
     a restore, 4 of the zoo's wide MLP's 18.5 MiB of weights and optimizer state were);
     DeepCopy's output is the allocator's. Keras on PyTorch copies into the variable.
-    Where the pool refuses the copy (the weights and optimizer state alone near the budget:
-    a variable's old buffer and its copy are live at once), the numpy array itself, made
-    into a tensor as numpy values are (granted over the budget, never refused): the state
-    comes back whole, part of it outside the pool. (A stateful LSTM of 3.2 M weights with
-    Adam under 40 MiB: find_batch_size's restore was refused, and the error left the model
-    half restored.)"""
+    Where the pool refuses the copy even after the cycle collector ran (at most once a
+    restore: `collected`), the weights and optimizer state alone being near the budget (a
+    variable's old buffer and its copy are live at once): a copy TensorFlow makes as it
+    makes numpy values into tensors, which the pool grants over the budget (kind "input",
+    never refused): the value from a buffer numpy placed off TensorFlow's 64-byte alignment,
+    which TensorFlow cannot take over and copies. The state comes back whole and in the
+    pool. (A stateful LSTM of 3.2 M weights with Adam under 40 MiB: find_batch_size's
+    restore was refused, and the error left the model half restored; the numpy array itself
+    would have put 4 MiB of the zoo's wide MLP's state outside the pool.)"""
     from tf_memguard import _backend
     if _backend.framework() != "tensorflow":
         return value
     import tensorflow as tf
-    try:
-        return tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(value))
-    except tf.errors.ResourceExhaustedError:
-        return value
+    for attempt in range(2):
+        try:
+            return tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(value))
+        except tf.errors.ResourceExhaustedError:
+            if attempt or (collected is not None and collected):
+                break
+            # Tensors a failed step left to the cycle collector hold the room: after an
+            # XLA step stopped over the budget (the zoo's wide MLP with jit_compile), the
+            # copy fitted once they were collected.
+            gc.collect()
+            if collected is not None:
+                collected.append(True)
+    return tf.convert_to_tensor(_unaligned(value))
+
+
+def _unaligned(value):
+    """A copy of the numpy array `value` at an address that is not a multiple of 64 (nor
+    of 16: off by 8 bytes, enough for any dtype's own alignment)."""
+    import numpy as np
+    value = np.asarray(value)
+    buf = np.empty(value.nbytes + 72, dtype=np.uint8)
+    start = (-buf.ctypes.data) % 64 + 8
+    out = np.frombuffer(buf[start:start + value.nbytes].data, dtype=value.dtype).reshape(value.shape)
+    out[...] = value
+    return out
