@@ -1,7 +1,7 @@
 """find_batch_size(): the largest batch size that fits, from the memory model of two
 recorded steps of fit(), without a full run."""
 from tf_memguard import _backend, _core, _install
-from tf_memguard._fit_args import fed_nbytes, fixed_batch_size, is_sliceable
+from tf_memguard._fit_args import fed_nbytes, fixed_batch_size, is_sliceable, num_samples
 from tf_memguard._memory_model import ONE_DRAW_SPREAD, StepModel, StepModels
 from tf_memguard._recording import (SHORTFALL_FLAGS, StepRecorder, abort_all, epoch_of, fit_steps, joined,
                                     prepared_bytes, stale_batches, unmet_prepared, without_blocks)
@@ -93,7 +93,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
                 "generator or PyDataset fixes "
                 "its own batches. Pass the arrays, or train on the dataset with MemGuardCallback, whose warning "
                 "and report name the batch size that fits")
-    n = min(len(a) for a in keras.tree.flatten(x))
+    n = num_samples(x)
     if n < 1:
         raise ValueError("find_batch_size(x=...): x holds no samples")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:

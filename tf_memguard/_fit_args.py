@@ -39,6 +39,28 @@ def is_sliceable(data):
     return bool(leaves) and all(getattr(a, "shape", None) is not None and len(a.shape) > 0 for a in leaves)
 
 
+def num_samples(data):
+    """How many samples arrays or tensors (or a structure of them) hold: the smallest
+    first dimension. (A tf.SparseTensor, which Keras' fit() batches as it does arrays, has
+    no len(): its dense shape's first dimension.)"""
+    import keras
+    return min(int(a.shape[0]) for a in keras.tree.flatten(data))
+
+
+def first_samples(data, n):
+    """The first `n` samples of arrays or tensors (or a structure of them); a
+    tf.SparseTensor's through tf.sparse.slice, which its [:n] does not take."""
+    import keras
+
+    def head(a):
+        if type(a).__name__ == "SparseTensor":
+            import tensorflow as tf
+            rank = len(a.shape)
+            return tf.sparse.slice(a, [0] * rank, [n] + [int(d) for d in a.shape[1:]])
+        return a[:n]
+    return keras.tree.map_structure(head, data)
+
+
 def fixed_batch_size(model):
     """The batch size the model's inputs fix (keras.Input(batch_shape=(B, ...)), as a
     stateful recurrent layer needs), or None: a model built so runs no other batch size
@@ -69,15 +91,15 @@ def is_dataset(data):
 
 def batch_size(fit_args):
     """fit()'s batch size: its argument for arrays or tensors (Keras' default of 32 when None), else a
-    tf.data dataset's static batch dimension, else the size its batch() was given, else
-    None."""
+    tf.data dataset's static batch dimension, else the size its batch() was given, else a
+    PyDataset's first batch's, else None."""
     import keras
     x = fit_args.get("x")
     if is_arrays(x) or is_sliceable(x):  # tensors are batched by fit() as arrays are
         return fit_args.get("batch_size") or 32
     spec = getattr(x, "element_spec", None)
     if spec is None:
-        return None
+        return py_dataset_batch_size(x)
     leaves = [leaf for leaf in keras.tree.flatten(spec) if getattr(leaf, "shape", None) is not None
               and leaf.shape.rank is not None and len(leaf.shape) > 0]
     dims = {leaf.shape[0] for leaf in leaves}
@@ -89,6 +111,23 @@ def batch_size(fit_args):
     if size is not None and all(d is None or d == size for d in dims):
         return size
     return None
+
+
+def py_dataset_batch_size(x):
+    """A keras.utils.PyDataset's batch size: its first batch's first dimension (Keras
+    itself reads its first batches, x[0] on, for their specs before fit() runs), or None
+    when it has none, or its inputs disagree."""
+    import keras
+    if not isinstance(x, keras.utils.PyDataset):
+        return None
+    try:
+        first = x[0]
+    except Exception:  # noqa: BLE001 - the user's __getitem__; the advice does without
+        return None
+    inputs = first[0] if isinstance(first, tuple) else first
+    dims = {int(a.shape[0]) for a in keras.tree.flatten(inputs)
+            if getattr(a, "shape", None) is not None and len(a.shape) > 0 and a.shape[0] is not None}
+    return dims.pop() if len(dims) == 1 else None
 
 
 # tf.data transformations after batch() that keep its batch dimension (their elements are

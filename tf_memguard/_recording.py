@@ -15,7 +15,7 @@ import gc
 import traceback
 
 from tf_memguard import _backend, _core
-from tf_memguard._fit_args import fed_nbytes
+from tf_memguard._fit_args import fed_nbytes, first_samples, num_samples
 from tf_memguard._step_trace import _ALLOC, _FREE, _OVERSHOOT, StepTrace
 from tf_memguard._snapshot import Snapshot
 
@@ -181,12 +181,11 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
         raise ValueError(f"fit_steps(steps={steps!r}): must be an int of at least 1")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"fit_steps(epochs={epochs!r}): must be an int of at least 1")
-    import keras
     if samples is not None:
-        x = keras.tree.map_structure(lambda a: a[:samples], x)
-        y = keras.tree.map_structure(lambda a: a[:samples], y) if y is not None else None
+        x = first_samples(x, samples)
+        y = first_samples(y, samples) if y is not None else None
     snapshot = Snapshot(model)
-    full = min(len(a) for a in keras.tree.flatten(x)) // batch_size
+    full = num_samples(x) // batch_size
     cb = _record_step(recorder, batch_size, at=steps - 1, full=full) if epochs == 1 else \
         _record_step(recorder, batch_size, at=0, epoch_at=epochs - 1, full=full)
     history = getattr(model, "history", None)
