@@ -113,6 +113,10 @@ class StepModel:
     # RUN_SPREAD for a run's steps, ONE_DRAW_SPREAD for steps recorded once each
     # (find_batch_size).
     unseen_share: float = RUN_SPREAD
+    # Per event, bytes per squared sample: the blocks that grow with the square of the batch
+    # (batch x batch tensors, _model_build.match), whose lines are 0; None: none (and
+    # saved reports from before it).
+    ev_square: object = None
 
     @classmethod
     def build(cls, template, other=None, **kwargs):
@@ -132,7 +136,10 @@ class StepModel:
         # it the fixed one.
         fixed, slope = (self.ev_fixed_hi, self.ev_hi) if b >= self.base_batch else (self.ev_fixed_lo, self.ev_lo)
         align = max(int(self.layout.get("alignment", 64)), 1)
-        ev = np.where(self.ev_alloc, np.maximum(fixed + slope * b, 1.0), 0.0)
+        ev = fixed + slope * b
+        if self.ev_square is not None:
+            ev = ev + self.ev_square * (b * b)
+        ev = np.where(self.ev_alloc, np.maximum(ev, 1.0), 0.0)
         st = self.start_fixed + self.start_slope * b
         if self.samples and self.batch_bytes_per_sample > 0:
             st, ev = _epoch.bounded(self, b, st, ev)
@@ -296,8 +303,9 @@ class StepModel:
             d["array_bytes"] = tuple(d["array_bytes"])
         types = {"start_fixed": np.float64, "start_slope": np.float64, "start_flags": np.uint32,
                  "ev_alloc": bool, "ev_slot": np.uint32, "ev_flags": np.uint32, "ev_fixed_lo": np.float64,
-                 "ev_lo": np.float64, "ev_fixed_hi": np.float64, "ev_hi": np.float64}
-        return cls(**{k: (np.asarray(v, dtype=types[k]) if k in types else v) for k, v in d.items()})
+                 "ev_lo": np.float64, "ev_fixed_hi": np.float64, "ev_hi": np.float64, "ev_square": np.float64}
+        return cls(**{k: (np.asarray(v, dtype=types[k]) if k in types and v is not None else v)
+                      for k, v in d.items()})
 
 
 def _replay(layout, sizes, slots, flags, nslots, budget):

@@ -14,6 +14,7 @@ from tf_memguard import _core
 _KIND_SHIFT = _core.ALLOC_KIND_SHIFT
 _BATCH = _core.ALLOC_BATCH
 _ROWS = _core.ALLOC_BATCH_ROWS
+_SQUARE = _core.ALLOC_BATCH_SQUARE
 _MUST = _core.ALLOC_MUST_SUCCEED
 KINDS = _core.KINDS
 # Trace ops (tfmg_trace_op).

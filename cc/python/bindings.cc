@@ -652,6 +652,7 @@ PYBIND11_MODULE(_core, m) {
   m.attr("ALLOC_MUST_SUCCEED") = TFMG_ALLOC_MUST_SUCCEED;
   m.attr("ALLOC_BATCH") = TFMG_ALLOC_BATCH;
   m.attr("ALLOC_BATCH_ROWS") = TFMG_ALLOC_BATCH_ROWS;
+  m.attr("ALLOC_BATCH_SQUARE") = TFMG_ALLOC_BATCH_SQUARE;
   m.attr("ALLOC_KIND_SHIFT") = TFMG_ALLOC_KIND_SHIFT;
   m.attr("KINDS") = py::make_tuple("other", "kernel", "tensor", "raw", "constant", "data", "input", "xla", "copy");
 }

@@ -97,7 +97,9 @@ std::string human(uint64_t bytes) {
 }
 
 // While a batch size is being profiled: TFMG_ALLOC_BATCH if the tensor being allocated
-// has it as its first dimension, TFMG_ALLOC_BATCH_ROWS if a multiple of it. OpKernelContext::allocate_tensor announces the shape
+// has it as its first dimension, TFMG_ALLOC_BATCH_ROWS if a multiple of it, and with
+// either TFMG_ALLOC_BATCH_SQUARE if its second dimension is a multiple of it too (a
+// batch x batch tensor). OpKernelContext::allocate_tensor announces the shape
 // through the thread's memory-debug annotation; reading it formats a string, so this
 // runs only during the few steps MemGuardCallback profiles.
 uint32_t batch_tag() {
@@ -107,9 +109,13 @@ uint32_t batch_tag() {
   if (!note.pending_shape_func) return 0;
   const std::string shape = note.pending_shape_func();  // "[64,30,30,16]"
   if (shape.size() < 3 || shape[0] != '[') return 0;
-  const long long first = std::strtoll(shape.c_str() + 1, nullptr, 10);
-  if (first == batch) return TFMG_ALLOC_BATCH;
-  return first > batch && first % batch == 0 ? TFMG_ALLOC_BATCH_ROWS : 0;
+  char* end = nullptr;
+  const long long first = std::strtoll(shape.c_str() + 1, &end, 10);
+  const uint32_t tag = first == batch ? TFMG_ALLOC_BATCH
+                       : first > batch && first % batch == 0 ? TFMG_ALLOC_BATCH_ROWS : 0u;
+  if (tag == 0 || end == nullptr || *end != ',') return tag;
+  const long long second = std::strtoll(end + 1, nullptr, 10);
+  return second >= batch && second % batch == 0 ? tag | TFMG_ALLOC_BATCH_SQUARE : tag;
 }
 
 // TF_MEMGUARD_LOG_UNREFUSABLE=<bytes>: every request of at least that size granted over

@@ -60,6 +60,13 @@ typedef enum tfmg_status {
  * have such a first dimension too: the memory model counts the block as proportional to
  * the batch only where a step at another batch size confirms it. */
 #define TFMG_ALLOC_BATCH_ROWS 8u
+/* A hint, kept in the trace only: the block's second dimension is the profiled batch size
+ * or a multiple of it too, as well as its first (TFMG_ALLOC_BATCH or _ROWS): a tensor of
+ * batch x batch entries, which grows with the square of the batch (the similarities of
+ * every pair of samples in a batch, as contrastive losses compute them). A dimension can
+ * equal the batch size by chance (64 features at a batch of 64): the memory model takes
+ * the block as quadratic only where a step at another batch size confirms it. */
+#define TFMG_ALLOC_BATCH_SQUARE 32u
 /* A request the budget cannot serve now waits for blocks other threads free, and is
  * refused (recorded, as without the flag) only when no block was freed for the pool's
  * wait time (tfmg_pool_set_wait; 0, the default: refused at once), or while a wait that

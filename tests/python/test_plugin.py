@@ -86,6 +86,36 @@ def test_kernels_tensors_are_tagged_by_their_first_dimension_while_a_batch_size_
     assert not r.data["batch"] and not r.data["off"], r.data
 
 
+def test_a_batch_by_batch_tensor_is_tagged_square_while_a_batch_size_is_profiled():
+    # z @ z.T of a batch (a contrastive loss's similarities): (batch, batch), tagged
+    # TFMG_ALLOC_BATCH and TFMG_ALLOC_BATCH_SQUARE; z itself (batch, 96) only the first.
+    r = run("""
+        import tensorflow as tf
+        import tf_memguard
+        from tf_memguard import _core, _install, _recording
+        tf_memguard.install(max_bytes="256MiB")
+        pool = _install.device_pool()
+        @tf.function
+        def f(x):
+            z = tf.nn.relu(x * 2.0)
+            return tf.reduce_sum(tf.nn.softmax(tf.matmul(z, z, transpose_b=True)))
+        x = tf.ones([200, 96])
+        f(x)
+        _core.set_profile_batch(200)
+        rec = _recording.StepRecorder(pool)
+        rec.begin(200)
+        f(x)
+        t = rec.end()
+        _core.set_profile_batch(0)
+        got = [(int(s), int(g & _core.ALLOC_BATCH_SQUARE != 0)) for s, g, o in zip(t.size, t.flags, t.op)
+               if o != 1 and g & _core.ALLOC_BATCH]
+        emit(square=sorted({s for s, q in got if q}), line=sorted({s for s, q in got if not q}))
+    """)
+    assert r.returncode == 0, r
+    assert 200 * 200 * 4 in r.data["square"], r.data
+    assert 200 * 96 * 4 in r.data["line"] and 200 * 96 * 4 not in r.data["square"], r.data
+
+
 def test_disable_variable_leaves_tensorflow_alone_and_install_says_why():
     r = run("""
         import tensorflow as tf
