@@ -13,7 +13,10 @@ memory model's steps): the model picks where to look, the runs decide, as after 
 out-of-memory error and in find_batch_size. A refused run shows the model short there:
 the next size is the largest that fits both the model and the model of the refused step
 (the retry's first step, lined up with the run's template; a block only it made is
-fixed below its size), and halfway to it where that is no higher. The answer is the
+fixed below its size), at least RUN_SPREAD below the refused size (as after an
+out-of-memory error: within it a completion says as little as a refusal; a SimCLR-style
+loss whose model fell short, before blocks of batch x batch were modelled, was refused
+at 2,680, 2,679 and 2,678), and halfway to it where that is no higher. The answer is the
 largest size that completed, and at least the running size, which trained.
 
 The runs are made when the suggestion is first read (report().suggested_batch_size), not
@@ -25,7 +28,7 @@ import dataclasses
 import warnings
 import weakref
 
-from tf_memguard._memory_model import StepModel, StepModels
+from tf_memguard._memory_model import RUN_SPREAD, StepModel, StepModels
 
 # Short runs at most (one step each): the suggestion, then two sizes below a refusal.
 CONFIRM_RUNS = 3
@@ -54,7 +57,7 @@ def confirmed(sampler, keras_model, model, suggestion, budget):
         if trace is not None and base is not None:
             failed = StepModel.build(trace, base, first=True, epoch=sampler.data.epoch, fresh=False)
             current = StepModels([current, failed])
-        nxt = min(current.largest_fitting(budget, at_most=size - 1), size - 1)
+        nxt = min(current.largest_fitting(budget, at_most=size - 1), int(size / (1 + RUN_SPREAD)))
         if nxt <= good:
             nxt = (good + size) // 2
         if nxt <= good:
