@@ -4,7 +4,9 @@ arrays, for the short fit() runs that work out the batch size that fits.
 The short runs need data they can batch at any size, and a dataset fixes its own
 batches. Its first batches, taken through the whole pipeline (every map, before and
 after batch(), applied as in training), are what the model is fed, so they are sampled
-as numpy arrays (host memory, outside the pool). What the short runs on those arrays do
+as numpy arrays (host memory, outside the pool), but strings, which Keras does not take
+as numpy arrays (an object array: "Invalid dtype: object"), as string tensors (a model
+with TextVectorization inside takes its text so). What the short runs on those arrays do
 not meet is the pipeline itself: its buffers that do not grow with the batch size
 (shuffle buffers, elements made by maps), which pipeline_buffers() measures in the failed
 step, and the batches it prepares ahead, which the models take from the failed step as
@@ -28,7 +30,7 @@ def sample_arrays(dataset, samples):
     import keras
     got, n = [], 0
     for batch in dataset.take(samples):  # a batch has a sample at least
-        arrays = keras.tree.map_structure(lambda t: np.array(t, copy=True), batch)
+        arrays = keras.tree.map_structure(_host, batch)
         leaves = keras.tree.flatten(arrays)
         if not leaves or any(a.ndim == 0 for a in leaves):
             return None
@@ -38,7 +40,7 @@ def sample_arrays(dataset, samples):
             break
     if not got:
         return None
-    joined = keras.tree.map_structure(lambda *parts: np.concatenate(parts)[:samples], *got)
+    joined = keras.tree.map_structure(lambda *parts: _concatenate(parts)[:samples], *got)
     x, y, _ = keras.utils.unpack_x_y_sample_weight(tuple(joined) if isinstance(joined, list) else joined)
     return x, y
 
@@ -72,3 +74,17 @@ def pipeline_extra(trace):
     if size <= 0:
         return None
     return [size], [_core.KINDS.index("data") << _core.ALLOC_KIND_SHIFT]
+
+
+def _host(t):
+    """A batch's tensor as a numpy array, or a string tensor as itself (see the module)."""
+    if getattr(getattr(t, "dtype", None), "name", None) == "string":
+        return t
+    return np.array(t, copy=True)
+
+
+def _concatenate(parts):
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    import tensorflow as tf
+    return tf.concat(list(parts), axis=0)

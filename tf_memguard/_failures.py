@@ -178,6 +178,14 @@ class FailureHandling:
             report.advice = ("No batch size was worked out: the dataset given to fit() is gone (nothing kept a "
                              "reference to it), and its batches are what the short runs are made of. Keep it in a "
                              "variable for the suggestion.")
+        elif suggestion is None:
+            # (A generator or PyDataset, tensors where arrays would do, or runs that failed:
+            # the warnings say which.) The report must say why it names nothing.
+            report.advice = (f"No batch size was worked out after the out-of-memory error: no short run of fit() at "
+                             f"a smaller size completed on this data (numpy arrays, or a tf.data dataset of them, can "
+                             f"be run at other sizes; a generator or a PyDataset cannot). Reduce the batch size "
+                             f"(now {self._run_batch}).")
+            report.suggestion_method = "none: no short run of fit() completed after the out-of-memory error"
         report.memory_model = model.to_dict() if model is not None else report.memory_model
 
     def _checked_below(self, suggestion, kind):

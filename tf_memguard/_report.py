@@ -178,6 +178,8 @@ class Report:
             lines.append(f"batch size that fits the budget: {suggested}{now}, from {method}")
         elif suggested == 0:
             lines.append(f"no batch size fits the budget, by {method}: {self.__dict__['advice']}")
+        elif suggested is None and self.__dict__["advice"]:
+            lines.append(f"batch size that fits the budget: none named. {self.__dict__['advice']}")
         if self.devices:
             names = self.devices["devices"]
             lines.extend(per_unit_lines(f"per device ({len(names)} devices of Keras' distribution; the budget is each "

@@ -147,7 +147,7 @@ class StepData:
         import keras
         out = []
         for a in keras.tree.flatten((self.x, self.y)):
-            if a is not None and len(a):
+            if a is not None and hasattr(a, "nbytes") and len(a):
                 out.append(-(-(fed_nbytes(a) // len(a)) * batch_size // align) * align)
         return out
 
