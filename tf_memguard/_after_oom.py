@@ -71,7 +71,7 @@ def model_after_oom(sampler, model):
     failed step up to its refusal is the retry's first step, and must fit too. None when
     no complete step could be had."""
     if not needs_steps(sampler):
-        return sampler.model()
+        return without_runs(sampler)
     # On a tf.data dataset: its first batches, as arrays, for the short runs.
     if not sampler.data.sample_dataset(sampler.b0):
         return None
@@ -303,6 +303,35 @@ def settle(first, pending, too_large, run_at, confirm, runs=None):
         else:
             too_large = min(too_large, size)
     return known, too_large
+
+
+def without_runs(sampler):
+    """After a refused step where no short run is made (needs_steps() False: data that no
+    run can be made on, such as a generator, a PyDataset or tensors given as x, or steps
+    that completed at the failed size whose model says it does not fit): that model, with
+    the failed step's beside it up to its refusal (the retry's first step must fit too),
+    and the answer at least RUN_SPREAD below the failed size, as the runs' answers are
+    (within it a completion says as little as a refusal: a CNN on a PyDataset refused at
+    190 was named 183 by the model of its steps at 190, and the retry ran out). None where
+    that names no size while a step at the failed size completed within the budget: a
+    model of one size takes every block it cannot pair as fixed below that size, and
+    cannot show that no size fits (a sparse bag-of-words model refused at 630 was told
+    that even a batch of 1 needs 260 MiB of its 224, where 508 trained)."""
+    model = sampler.model()
+    if model is None:
+        return None
+    if sampler.prefix is not None and sampler.template is not None:
+        # Its blocks lined up with the run's second size where it has one (an epoch's
+        # partial last batch), else taken as one size's.
+        other = sampler.other if sampler.other is not None and sampler.other.batch_size != sampler.b0 \
+            else sampler.template
+        failed = StepModel.build(sampler.prefix, other, first=True, epoch=sampler.data.epoch, fresh=False)
+        model = StepModels([model, failed])
+    sampler.cap = min(sampler.cap, int(sampler.b0 / (1 + RUN_SPREAD)))
+    if (sampler.template or sampler.first) is not None and \
+            model.largest_fitting(sampler.pool.stats()["bytes_limit"], at_most=sampler.advice_cap()) < 1:
+        return None   # (and where the suggestion from it names none: MemGuardCallback's OOM path)
+    return model
 
 
 def needs_steps(sampler):

@@ -135,9 +135,21 @@ class FailureHandling:
                     # Steps run now would meet the failed fit()'s data and batches, which
                     # the retry will not: the size is worked out when first read.
                     pending = _after_oom_resolver(self)
+                elif self._cluster is None and _fit_args.fixed_batch_size(self.model) is None:
+                    # No short runs: the recorded steps' model, the failed step beside it,
+                    # RUN_SPREAD below the failed size; or no size (_after_oom.without_runs).
+                    model = _after_oom.without_runs(self._sampler)
+                    if model is not None:
+                        suggestion = self._suggest(model, below=self._sampler.advice_cap() + 1)
+                    if suggestion is not None and suggestion.fits_none and \
+                            (self._sampler.template or self._sampler.first) is not None:
+                        suggestion = None   # a step at the failed size completed: see without_runs
                 else:
                     suggestion = self._suggest(below=self._sampler.advice_cap() + 1)
-            if suggestion is not None:
+            if suggestion is not None or pending is None:
+                # (None: no size is named now, and none stays from before the failure: an
+                # earlier epoch's suggestion, at least the size that ran it, named the
+                # size that was just refused.)
                 self._suggestion = suggestion
             message = _oom.explain(self._device, refusal, suggestion, self._run_batch, deferred=pending is not None,
                                    dataset=self._sampler is not None and self._sampler.data.x is None)
@@ -145,6 +157,9 @@ class FailureHandling:
         self._tell_cluster()
         self._add_note(error, self._oom)
         self._finish(pending)
+        if ours and pending is None and suggestion is None and self._sampler and self._budget and \
+                self._report is not None:
+            _no_size(self._report, self._run_batch)
         if pending is not None:
             self._model = None   # see _after_oom_resolver
 
@@ -181,11 +196,7 @@ class FailureHandling:
         elif suggestion is None:
             # (A generator or PyDataset, tensors where arrays would do, or runs that failed:
             # the warnings say which.) The report must say why it names nothing.
-            report.advice = (f"No batch size was worked out after the out-of-memory error: no short run of fit() at "
-                             f"a smaller size completed on this data (numpy arrays, or a tf.data dataset of them, can "
-                             f"be run at other sizes; a generator or a PyDataset cannot). Reduce the batch size "
-                             f"(now {self._run_batch}).")
-            report.suggestion_method = "none: no short run of fit() completed after the out-of-memory error"
+            _no_size(report, self._run_batch)
         report.memory_model = model.to_dict() if model is not None else report.memory_model
 
     def _checked_below(self, suggestion, kind):
@@ -270,3 +281,12 @@ class FailureHandling:
         self._finish()
         raise budget_exceeded_error()("tf_memguard: " + self._oom)
 
+
+
+def _no_size(report, running):
+    """`report` says that no batch size was worked out after the out-of-memory error, and why."""
+    report.advice = (f"No batch size was worked out after the out-of-memory error: no short run of fit() at a smaller "
+                     f"size completed on this data (numpy arrays, or a tf.data dataset of them, can be run at other "
+                     f"sizes; a generator, a PyDataset or tensors given as x are not), and the steps recorded at one "
+                     f"size do not tell which smaller size fits. Reduce the batch size (now {running}).")
+    report.suggestion_method = "none: no short run of fit() completed after the out-of-memory error"
