@@ -119,7 +119,8 @@ class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
         self._budget = self._start["bytes_limit"]
         fit_args = _fit_args.fit_arguments()
         x, y = fit_args.get("x"), fit_args.get("y")
-        arrays = _fit_args.is_arrays(x)
+        # Arrays, or tensors (a tf.SparseTensor, strings): the short runs batch them as fit() does.
+        arrays = _fit_args.is_arrays(x) or _fit_args.is_sliceable(x)
         self._run_batch = self.batch_size or _fit_args.batch_size(fit_args)
         self._n = _fit_args.training_samples(fit_args)
         self._monitor = _monitor.Monitor(self._pool, self._budget)

@@ -154,3 +154,84 @@ def test_after_an_oom_on_a_pipeline_of_strings_a_size_is_named_and_the_retry_tra
     assert d["raised"], d
     assert d["size"] and 1 <= d["size"] < 1200 and d["retry"] and not d["over"], d
     assert f".batch({d['size']})" in d["advice"], d
+
+
+PYDATASET = """
+import tf_memguard
+tf_memguard.install(max_bytes=96 << 20)
+import numpy as np, tensorflow as tf, keras
+from keras import layers
+rng = np.random.default_rng(3)
+n = 1200
+xs = rng.random((n, 32, 32, 3), dtype=np.float32)
+ys = rng.integers(0, 10, n)
+
+class Images(keras.utils.PyDataset):
+    def __init__(self, batch, **kw):
+        super().__init__(**kw)
+        self.batch = batch
+    def __len__(self):
+        return -(-n // self.batch)
+    def __getitem__(self, i):
+        return xs[i * self.batch:(i + 1) * self.batch], ys[i * self.batch:(i + 1) * self.batch]
+
+i = keras.Input((32, 32, 3))
+h = i
+for f in (32, 64):
+    h = layers.Conv2D(f, 3, padding="same", use_bias=False)(h)
+    h = layers.BatchNormalization()(h)
+    h = layers.Activation("relu")(h)
+    h = layers.MaxPooling2D()(h)
+m = keras.Model(i, layers.Dense(10)(layers.GlobalAveragePooling2D()(h)))
+m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+"""
+
+
+def test_a_py_dataset_gets_its_batch_size_read_and_a_suggestion_that_trains():
+    # fit(PyDataset) gives no batch_size anywhere: the callback reads its first batch's
+    # (it named nothing, and said nothing, before). No short run can be made on it.
+    r = run(PYDATASET, """
+        cb = tf_memguard.MemGuardCallback(verbose=0)
+        m.fit(Images(40), epochs=2, verbose=0, callbacks=[cb])
+        rep = tf_memguard.report()
+        size = rep.suggested_batch_size
+        try:
+            m.fit(Images(size), epochs=2, verbose=0)
+            trained = True
+        except tf.errors.ResourceExhaustedError:
+            trained = False
+        emit(run=rep.batch_size, size=size, trained=trained, advice=rep.advice,
+             over=tf_memguard.stats()["peak_bytes_reserved"] > tf_memguard.stats()["bytes_limit"])
+    """)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["run"] == 40 and d["size"] and d["size"] >= 40 and d["trained"] and not d["over"], d
+
+
+def test_a_string_tensor_given_as_x_gets_short_runs_after_an_oom():
+    # Tensors given as x (a string tensor, as models with TextVectorization inside take
+    # their text) got no short runs, and no size after an OOM.
+    r = run(STRINGS, """
+        import gc
+        cb = tf_memguard.MemGuardCallback(verbose=0)
+        tx = tf.constant(texts)
+        try:
+            m.fit(tx, labels, batch_size=1200, epochs=1, verbose=0, callbacks=[cb])
+            raised = False
+        except tf.errors.ResourceExhaustedError:
+            raised = True
+        gc.collect()
+        rep = tf_memguard.report()
+        size = rep.suggested_batch_size
+        try:
+            m.fit(tx, labels, batch_size=size, epochs=2, verbose=0)
+            retry = True
+        except tf.errors.ResourceExhaustedError:
+            retry = False
+        emit(raised=raised, size=size, method=rep.suggestion_method, retry=retry,
+             over=tf_memguard.stats()["peak_bytes_reserved"] > tf_memguard.stats()["bytes_limit"])
+    """)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["raised"] and "short fit() runs" in d["method"], d
+    assert d["size"] and 1 <= d["size"] < 1200 and d["retry"] and not d["over"], d
