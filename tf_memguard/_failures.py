@@ -188,7 +188,8 @@ class FailureHandling:
         report.suggestion_method = suggestion.method if suggestion else ""
         report.advice = _advice.advice_sentence(suggestion, self._run_batch) if suggestion else ""
         if report.advice and self._sampler.data.from_dataset and not suggestion.fits_none:
-            report.advice += f" The dataset fixes its own batches: build it with .batch({suggestion.batch_size})."
+            how = _fit_args.dataset_batch_method(self._sampler.data.dataset())
+            report.advice += f" The dataset fixes its own batches: build it with .{how}({suggestion.batch_size})."
         elif suggestion is None and self._sampler.data.dataset_gone():
             report.advice = ("No batch size was worked out: the dataset given to fit() is gone (nothing kept a "
                              "reference to it), and its batches are what the short runs are made of. Keep it in a "

@@ -171,6 +171,14 @@ def dataset_batch_size(dataset):
     return size if size > 0 else None
 
 
+def dataset_batch_method(dataset):
+    """The name of the transformation that batches a tf.data pipeline ("batch", or
+    "padded_batch" where that is what the last batching one is), for the advice's
+    "build it with ...": "batch" where it cannot tell."""
+    node = _last_batch(dataset, _KEEPS_BATCHES) if dataset is not None else None
+    return "padded_batch" if type(node).__name__ == "_PaddedBatchDataset" else "batch"
+
+
 # Transformations after batch() that keep its batches and their order (shuffle, repeat,
 # take, skip, filter and shard do not), so that every epoch ends with batch()'s last batch.
 _KEEPS_ORDER = frozenset({"_PrefetchDataset", "_MapDataset", "_ParallelMapDataset", "CacheDataset", "_CacheDataset",

@@ -164,8 +164,8 @@ class StepData:
         try:
             arrays = _dataset_sample.sample_arrays(dataset, _dataset_sample.BATCHES * batch_size)
         except Exception as e:  # noqa: BLE001 - the advice must never stop the training
-            warnings.warn(f"tf_memguard: no sample of the dataset's batches could be taken for the advice after "
-                          f"the out-of-memory error ({type(e).__name__}: {e})", stacklevel=4)
+            warnings.warn(f"tf_memguard: no sample of the dataset's batches could be taken for the advice's short "
+                          f"runs ({type(e).__name__}: {e})", stacklevel=4)
             return False
         finally:
             del dataset
@@ -177,6 +177,10 @@ class StepData:
         self.epoch = None
         self.from_dataset = True
         return True
+
+    def dataset(self):
+        """The tf.data dataset fit() was given, if it is still referenced, else None."""
+        return self._dataset() if self._dataset is not None else None
 
     def dataset_gone(self):
         """True when fit() was given a dataset that no one keeps any more (so no sample of

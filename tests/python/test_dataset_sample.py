@@ -52,3 +52,18 @@ def test_a_sample_of_a_datasets_batches_is_arrays_of_what_the_model_is_fed():
     sx, sy = ds_sample.sample_arrays(tf.data.Dataset.from_tensor_slices((x[:10], y[:10])).batch(4), 40)
     assert sx.shape == (10, 3)
     assert ds_sample.sample_arrays(tf.data.Dataset.from_tensor_slices((x, y)).batch(4).take(0), 40) is None
+
+
+@pytest.mark.tf
+def test_a_sample_of_padded_batches_is_padded_to_their_longest():
+    # padded_batch() pads each batch to its own longest element: the sample's batches are
+    # padded to the longest of them (its confirmation's sample failed: "all the input array
+    # dimensions except for the concatenation axis must match").
+    tf = pytest.importorskip("tensorflow")
+    seqs = [np.arange(1, k + 1, dtype=np.int32) for k in (3, 9, 2, 5, 4, 1)]
+    ds = tf.data.Dataset.from_generator(lambda: iter(seqs), output_signature=tf.TensorSpec([None], tf.int32))
+    x, y = ds_sample.sample_arrays(ds.padded_batch(2), 6)
+    assert y is None and x.shape == (6, 9)
+    assert x[1].tolist() == list(range(1, 10)) and x[2].tolist() == [1, 2] + [0] * 7
+    assert tf_memguard._fit_args.dataset_batch_method(ds.padded_batch(2).prefetch(1)) == "padded_batch"
+    assert tf_memguard._fit_args.dataset_batch_method(ds.batch(1).map(lambda v: v)) == "batch"
