@@ -1,9 +1,10 @@
-"""Models of kinds the zoo lacks, tried as a new user would: a sparse input
-(keras.Input(sparse=True), fit on a tf.SparseTensor), and a loss over every pair of
-samples in a batch (batch x batch similarities, as SimCLR's and CLIP's), whose memory
-grows with the square of the batch: a line through two steps fell short of it, and the
-advice named 2,680 where 1,778 ran out (benchmarks/NOTES.md, "Seven more models from
-outside the repository")."""
+"""Models of kinds the zoo lacks, tried as a new user would (benchmarks/NOTES.md, "Ten more
+models from outside the repository"): a sparse input (keras.Input(sparse=True), fit on a
+tf.SparseTensor); a loss over every pair of samples in a batch (batch x batch
+similarities, as SimCLR's and CLIP's), whose memory grows with the square of the batch (a
+line through two steps fell short of it: the model named 2,680 from a run at 808, short
+runs there and just below were refused, and the run's own 808 was named where 1,778
+trains); text as strings, on a tf.data pipeline or as a tensor; a keras.utils.PyDataset."""
 import pytest
 
 from tfproc import run
