@@ -139,13 +139,14 @@ def match(template, other, fixed_kinds=(), fixed_sizes=()):
       batch x batch, as a contrastive loss's similarities of every pair of samples) whose
       size scaled by the square of the batch ratio is there too, and not its size scaled by
       the ratio, grows with the square of the batch (a dimension equals the batch by chance
-      often: 32 x 32 images at a batch of 32 tag every activation of the zoo's ResNet, whose
-      partners at 16 are proportional. A line through both sizes passes below the origin,
-      and such a block was taken as proportional above the recorded size:
-      from a run at 808 of a SimCLR-style loss on a dense encoder under 96 MiB the model
-      named 2,680, whose short runs were refused, and 808 was named where 1,778 trains). Where the steps allocate in one order (PyTorch's), a pair of
-      the same place whose sizes are in the square of the batch ratio is such a block too
-      (those blocks carry no tags).
+      often: 32 x 32 images at a batch of 32 tag every activation of the zoo's ResNet,
+      whose partners at 16 are proportional). A line through both sizes passes below the
+      origin, and such a block was taken as proportional above the recorded size: from a
+      run at 808 of a SimCLR-style loss on a dense encoder under 96 MiB the model named
+      2,680, whose short runs were refused, and 808 was named where 1,778 trains. Where
+      the steps allocate in one order (PyTorch's), a pair of the same place whose sizes
+      are in the square of the batch ratio is such a block too (those blocks carry no
+      tags).
     A pair whose line passes below the origin is not one tensor at two sizes (a tensor of
     a + b x B bytes, a >= 0, never grows faster than the batch): one step made a block the
     other did not, and the pair is dropped. TensorFlow's threads decide whether a kernel
