@@ -133,7 +133,8 @@ class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
                                         dataset=x if _fit_args.is_dataset(x) else None,
                                         validation=_fit_args.validation_arrays(fit_args),
                                         partial=_fit_args.dataset_partial_batch(x)
-                                        if _fit_args.is_dataset(x) and self.batch_size is None else None)
+                                        if _fit_args.is_dataset(x) and self.batch_size is None else None,
+                                        collective=self._cluster is not None)
         self._epoch = 0
         self._warned = False
         self._oom = None

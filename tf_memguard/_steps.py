@@ -60,7 +60,7 @@ class StepSampler:
     """Records the steps of one fit() run and makes the StepModel of its training step."""
 
     def __init__(self, pool, batch_size, n_samples=None, steps_per_epoch=None, x=None, y=None, own_epochs=True,
-                 dataset=None, validation=None, partial=None):
+                 dataset=None, validation=None, partial=None, collective=False):
         self.pool = pool
         self.b0 = int(batch_size)
         self.steps = steps_per_epoch
@@ -100,6 +100,13 @@ class StepSampler:
             # backprop caps its 20 MiB workspace; keras.io's text CNN on its string
             # pipeline at 32 was advised 93 where 210 trains).
             self.partial = int(partial)
+        # A worker of a multi-worker run: its steps are collectives, which every worker must
+        # run alike. No short fit() of its own: where one worker's step is refused and
+        # another's completes, they part, and both wait in a collective for ever (CI: the
+        # second size's short run at 32 MiB refused on worker 1, which then sat in
+        # reset_metrics()'s all-reduce; killed after 240 s). Its models are of the run's
+        # own steps (and an epoch's partial last batch).
+        self.collective = bool(collective)
         self._recording = None    # "first", "template" or "other", while a step is recorded
         self._nested_runs = 0
         self._model = None
@@ -198,7 +205,7 @@ class StepSampler:
         showed no second size: after the first epoch, or when a run is stopped after its
         first step (XLA's buffers or oneDNN's kernels granted over the budget)."""
         if (self.template or self.first) is not None and self.other is None and self.b0 > 1 \
-                and _fit_args.fixed_batch_size(model) is None:
+                and not self.collective and _fit_args.fixed_batch_size(model) is None:
             self.lone = self.short_fit(model, max(1, self.b0 // 2), steps=LONE_STEPS)
             self.other = self.lone if self.lone is not None and self.lone.complete else None
             # What a step of the run holds beside its own batch that the short run's step
@@ -232,7 +239,10 @@ class StepSampler:
 
     def short_fit(self, model, size, all_samples=False, steps=2, epochs=1):
         """StepData.short_fit, at most MAX_NESTED_RUNS times a run for the second size
-        (after an OOM, with `all_samples`, _after_oom's own loops bound them)."""
+        (after an OOM, with `all_samples`, _after_oom's own loops bound them); None in a
+        multi-worker run (`collective`)."""
+        if self.collective:
+            return None
         if not all_samples:
             if self.data.x is None or self._nested_runs >= MAX_NESTED_RUNS:
                 return None

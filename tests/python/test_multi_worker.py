@@ -110,3 +110,21 @@ def test_told_message_parsing_and_a_wide_report():
     assert "50.0 MiB (50%) worker 7" in text and "10.0 MiB (10%) worker 0" in text
     assert "worker 11" not in text.splitlines()[1]  # more than TABLE_UNITS: highest and lowest only
     assert "the smallest, worker 7's" in text
+
+
+def test_a_worker_of_a_multi_worker_run_makes_no_short_fit_of_its_own():
+    # A short fit() is a collective there: where one worker's step was refused and the
+    # other's completed, both waited in an all-reduce until killed (CI, 2026-12-05: worker 1
+    # under 32 MiB completed its epoch, then its second size's short run was refused, and
+    # it sat in reset_metrics()'s all-reduce for 240 s).
+    import numpy as np
+
+    import tf_memguard
+    from tf_memguard._steps import StepSampler
+    pool = tf_memguard.Pool(max_bytes=1 << 30, upstream="host_lazy")
+    x, y = np.zeros((1024, 4), np.float32), np.zeros(1024, np.float32)
+    worker = StepSampler(pool, 64, n_samples=1024, x=x, y=y, collective=True)
+    assert worker.short_fit(object(), 32) is None
+    assert worker.short_fit(object(), 32, all_samples=True) is None
+    alone = StepSampler(pool, 64, n_samples=1024, x=x, y=y)
+    assert not alone.collective
