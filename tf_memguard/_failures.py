@@ -195,8 +195,7 @@ class FailureHandling:
                              "reference to it), and its batches are what the short runs are made of. Keep it in a "
                              "variable for the suggestion.")
         elif suggestion is None:
-            # (A generator or PyDataset, tensors where arrays would do, or runs that failed:
-            # the warnings say which.) The report must say why it names nothing.
+            # (A generator or PyDataset, or runs that failed: the warnings say which.) The report must say why it names nothing.
             _no_size(report, self._run_batch)
         report.memory_model = model.to_dict() if model is not None else report.memory_model
 
@@ -283,11 +282,10 @@ class FailureHandling:
         raise budget_exceeded_error()("tf_memguard: " + self._oom)
 
 
-
 def _no_size(report, running):
     """`report` says that no batch size was worked out after the out-of-memory error, and why."""
     report.advice = (f"No batch size was worked out after the out-of-memory error: no short run of fit() at a smaller "
-                     f"size completed on this data (numpy arrays, or a tf.data dataset of them, can be run at other "
-                     f"sizes; a generator, a PyDataset or tensors given as x are not), and the steps recorded at one "
+                     f"size completed on this data (arrays or tensors, or a tf.data dataset of them, can be run at "
+                     f"other sizes; a generator or a PyDataset cannot), and the steps recorded at one "
                      f"size do not tell which smaller size fits. Reduce the batch size (now {running}).")
     report.suggestion_method = "none: no short run of fit() completed after the out-of-memory error"
