@@ -3,7 +3,8 @@ batch size that fits, the memory report, and out-of-memory errors that explain t
 
 The callback orchestrates: _monitor measures, _steps records the steps the memory model
 is made of, _advice asks the model, _failures handles a step that fails (_oom words it),
-_guard keeps fit()'s functions, _report keeps the run."""
+_guard keeps fit()'s functions, _inference explains a validation, evaluate() or predict()
+step that fails, _report keeps the run."""
 import warnings
 
 import keras
@@ -11,6 +12,7 @@ import keras
 from tf_memguard import _advice, _backend, _confirm, _fit_args, _guard, _install, _monitor, _recording, _report, _workers
 from tf_memguard._errors import budget_exceeded_error
 from tf_memguard._failures import FailureHandling
+from tf_memguard._inference import EvaluationGuard
 from tf_memguard._steps import StepSampler
 from tf_memguard._units import format_bytes
 from tf_memguard._xla_hooks import XlaHooks
@@ -23,7 +25,7 @@ def __getattr__(name):
 
 
 _warned = set()  # reasons already said, once per process
-class MemGuardCallback(XlaHooks, FailureHandling, keras.callbacks.Callback):
+class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbacks.Callback):
     """Records the memory of every epoch, warns near the budget, and explains an OOM.
 
     At each epoch's end its peak (of what the budget answers for: tensors in tf_memguard's

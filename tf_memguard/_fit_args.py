@@ -6,11 +6,17 @@ import numbers
 
 def fit_arguments():
     """The arguments of the Keras fit() call running now (its frame's locals), or {}."""
+    return call_arguments("fit")
+
+
+def call_arguments(name):
+    """The arguments of the innermost Keras trainer method `name` running now ("fit",
+    "evaluate", "predict": its frame's locals), or {}."""
     frame = inspect.currentframe()
     try:
         while frame is not None:
             code = frame.f_code
-            if code.co_name == "fit" and "keras" in code.co_filename.replace("\\", "/"):
+            if code.co_name == name and "keras" in code.co_filename.replace("\\", "/"):
                 return dict(frame.f_locals)
             frame = frame.f_back
         return {}

@@ -34,6 +34,7 @@ class Monitor:
         self._epoch_start = None
         self._epoch_time = 0.0
         self._global_step = 0
+        self._held = 0         # a window's peak kept before steps not the run's reset it
 
     @property
     def global_step(self):
@@ -42,7 +43,12 @@ class Monitor:
     def peak(self):
         s = self.pool.stats()
         return max([r.peak_bytes for r in self.records] + [p for _, p, _, _, _ in self.steps] +
-                   [account(s, "window_peak_bytes_in_use")])
+                   [account(s, "window_peak_bytes_in_use"), self._held])
+
+    def hold_window(self):
+        """Keeps the pool's window peak as the run's (steps run after the run's own, which
+        reset the window, must not take it away: a failed validation's)."""
+        self._held = max(self._held, account(self.pool.stats(), "window_peak_bytes_in_use"))
 
     def peaks_at(self, batch_size, skip_first=True):
         """The step peaks measured at `batch_size` so far (without the run's first step,

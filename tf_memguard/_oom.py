@@ -52,11 +52,9 @@ def largest_free(refusal):
     return format_bytes(largest)
 
 
-def explain(device, refusal, suggestion=None, running=None, deferred=False, dataset=False):
-    """The note for an out-of-memory error: what was refused, what held the budget, and
-    what to do (`suggestion`: an _advice.Suggestion, or None when none could be made;
-    `deferred`: the suggestion is worked out when the report is read; `dataset`: from a
-    sample of a tf.data dataset's batches)."""
+def refused(device, refusal):
+    """What was refused and what held the budget: the request, the budget in use, the
+    largest free block, any wait, and the holders by kind."""
     req = refusal["requested_bytes"]
     outside = refusal["passthrough_bytes_in_use"]
     in_use = refusal["bytes_in_use"] - outside
@@ -68,6 +66,15 @@ def explain(device, refusal, suggestion=None, running=None, deferred=False, data
     held = holders(refusal.get("bytes_in_use_by_kind", {}), refusal.get("overshoot_in_use_by_kind", {}))
     if held:
         text += f" In use: {held}."
+    return text
+
+
+def explain(device, refusal, suggestion=None, running=None, deferred=False, dataset=False):
+    """The note for an out-of-memory error: what was refused, what held the budget, and
+    what to do (`suggestion`: an _advice.Suggestion, or None when none could be made;
+    `deferred`: the suggestion is worked out when the report is read; `dataset`: from a
+    sample of a tf.data dataset's batches)."""
+    text = refused(device, refusal)
     if deferred:
         now = f" (now {running})" if running else ""
         return text + (f" Reduce the batch size{now}: after the except block and gc.collect(), "
@@ -88,6 +95,29 @@ def explain(device, refusal, suggestion=None, running=None, deferred=False, data
 
 
 RETRY = " Retry after the except block, and gc.collect() first: until then this error holds the failed fit()'s data."
+
+
+def evaluation(device, refusal, call, argument, running, size, method):
+    """The note for an out-of-memory error in an evaluation step (`call`: "fit()'s
+    validation", "evaluate()" or "predict()"; `argument`, the batch size argument that
+    sets its size, `running`, or for a dataset, which fixes its own batches, how it was
+    batched, e.g. "batch"): what was refused, and `size`, the largest batch size of that
+    step that fits (0: none was found; None: none could be looked for), by `method`."""
+    text = refused(device, refusal)
+    if argument.startswith("."):
+        at = f"on the dataset's batches{f' of {running}' if running else ''}"
+        text += f" The step that ran out was {call}'s, {at}. Rebuild the dataset with a smaller {argument}() ({method})."
+    else:
+        text += f" The step that ran out was {call}'s, at {argument}={running}."
+        if size:
+            text += f" Pass {argument}={size} (or less): {method}."
+        elif size == 0:
+            text += f" No smaller size was found that fits ({method}): pass a larger max_bytes to tf_memguard.install()."
+        else:
+            text += f" Pass a smaller {argument} ({method})."
+    which = call.split("'")[0]   # fit(), evaluate(), predict()
+    return text + (" Retry after the except block, and gc.collect() first: until then this error holds the "
+                   f"failed {which}'s data.")
 
 
 def not_in_the_pool(device, framework_name):

@@ -1,0 +1,87 @@
+"""Out-of-memory errors in evaluation steps with MemGuardCallback: fit()'s validation at a
+validation_batch_size too large, evaluate() and predict() at a batch_size too large. Each
+gets the note a training step's gets and a batch size of that step that fits, which the
+retry runs at; a failed fit() leaves nothing of its validation data in the pool (Keras
+kept its validation iterator, and 24 MiB of copied arrays, on the model until the next
+fit()). tf_memguard/_inference.py."""
+import pytest
+
+from tfproc import run
+
+pytestmark = pytest.mark.tf
+
+CNN = """
+import re
+import tf_memguard
+tf_memguard.install(max_bytes=160 << 20)
+import numpy as np, tensorflow as tf, keras
+from keras import layers
+rng = np.random.default_rng(0)
+x = rng.random((2048, 32, 32, 3), dtype=np.float32)
+y = rng.integers(0, 10, 2048)
+m = keras.Sequential([keras.Input((32, 32, 3))] + [
+    l for f in (32, 64, 96) for l in (layers.Conv2D(f, 3, padding="same", activation="relu"),
+                                      layers.BatchNormalization(), layers.MaxPooling2D())
+] + [layers.Flatten(), layers.Dense(128, activation="relu"), layers.Dense(10)])
+m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+
+def named(note, argument):
+    found = re.search(argument + r"=(\\d+) \\(or less\\)", note)
+    return int(found.group(1)) if found else None
+"""
+
+
+def test_validation_evaluate_and_predict_out_of_memory_are_explained_and_their_sizes_run():
+    r = run(CNN, """
+        out = {}
+        m.optimizer.build(m.trainable_variables)   # (fit() builds its slots: they stay)
+        before = tf_memguard.stats()["bytes_in_use"]
+        try:
+            m.fit(x[:1536], y[:1536], batch_size=64, epochs=1, verbose=0, validation_data=(x, y),
+                  validation_batch_size=2048, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            out["fit"] = "completed"
+        except tf.errors.ResourceExhaustedError as e:
+            note = (getattr(e, "__notes__", None) or [""])[-1]
+            out["fit_note"] = note
+            out["validation_size"] = named(note, "validation_batch_size")
+        gc.collect()
+        out["held_after"] = tf_memguard.stats()["bytes_in_use"] - before
+        out["report_oom"] = tf_memguard.report().oom or ""
+        size = out.get("validation_size")
+        if size:
+            m.fit(x[:1536], y[:1536], batch_size=64, epochs=1, verbose=0, validation_data=(x, y),
+                  validation_batch_size=size, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            out["retry"] = "trained"
+        weights = [w.copy() for w in m.get_weights()]
+        for call in ("evaluate", "predict"):
+            run_at = (lambda b, c: m.evaluate(x, y, batch_size=b, verbose=0, callbacks=c)) if call == "evaluate" \\
+                else (lambda b, c: m.predict(x, batch_size=b, verbose=0, callbacks=c))
+            try:
+                run_at(2048, [tf_memguard.MemGuardCallback(verbose=0)])
+                out[call] = "completed"
+            except tf.errors.ResourceExhaustedError as e:
+                note = (getattr(e, "__notes__", None) or [""])[-1]
+                out[call + "_note"] = note
+                out[call + "_size"] = named(note, "batch_size")
+            gc.collect()
+            if out.get(call + "_size"):
+                run_at(out[call + "_size"], [])
+                out[call + "_retry"] = "ran"
+        out["weights_unchanged"] = all(np.array_equal(a, b) for a, b in zip(weights, m.get_weights()))
+        s = tf_memguard.stats()
+        out["over"] = s["peak_bytes_reserved"] > s["bytes_limit"]
+        emit(**out)
+    """)
+    assert r.returncode == 0, r
+    d = r.data
+    note = d.get("fit_note", "")
+    assert "validation_batch_size=2048" in note and "cannot allocate" in note and "largest free block" in note, d
+    assert 1 <= (d["validation_size"] or 0) < 2048 and d.get("retry") == "trained", d
+    assert d["report_oom"] == note[len("tf_memguard: "):], d
+    # The failed fit()'s validation copy (24 MiB) is not left in the pool.
+    assert d["held_after"] <= 1 << 20, d
+    for call in ("evaluate", "predict"):
+        assert f"{call}()'s, at batch_size=2048" in d.get(call + "_note", ""), d
+        assert 1 <= (d[call + "_size"] or 0) < 2048 and d.get(call + "_retry") == "ran", d
+    assert d["weights_unchanged"] and not d["over"], d
+

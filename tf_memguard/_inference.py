@@ -1,0 +1,220 @@
+"""Out-of-memory errors in evaluation steps: fit()'s validation, evaluate() and predict()
+with MemGuardCallback among their callbacks.
+
+The error gets the note a training step's gets (the request, the budget, what holds it,
+the largest free block), which step ran out and at which batch size argument, and the
+largest batch size of that step that fits. That size is found by evaluation steps of
+its own (test_on_batch / predict_on_batch on the first samples of the same arrays), run
+before the error leaves the call, with Keras' copies of the data still in the pool as the
+retry will hold them; a step's peak counts with room for what such a step does not meet
+(the batches the pipeline prepares ahead) and for the kernels' orders
+(largest_that_fits). A fit() whose validation failed ends as after a failed training
+step (nothing left switched on, its report made), and the model's cached validation
+iterator, which held the failed step's batch until the next fit(), is dropped
+(drop_validation_iterator)."""
+import weakref
+
+from tf_memguard import _backend, _fit_args, _install, _oom, _recording
+from tf_memguard._memory_model import LAYOUT_SLACK, RUN_SPREAD
+from tf_memguard._monitor import account
+
+# Evaluation steps run at most to find a size that fits. From the failed size, halving
+# reaches one that fits within log2(failed / fitting) steps (two for a quarter), and the
+# rest bisect upwards: each bisection step halves the distance to the largest size that
+# fits, so four of them end within 1/16 of the first size that completed.
+CHECK_STEPS = 6
+
+# Batches Keras' pipeline prepares ahead of the step: tf.data's autotuned prefetch held
+# three at every step's start in the runs measured (_step_data.NESTED_BATCHES' note).
+PREPARED_BATCHES = 3
+
+# Keras' trainer method of each phase, the function it calls per step, the callback hooks.
+_PHASES = {"test": ("evaluate", "test_function"), "predict": ("predict", "predict_function")}
+
+
+class EvaluationGuard:
+    """MemGuardCallback's evaluation half (a mixin: it uses the callback's device, and
+    during fit() its run state, _active, _run_token, _end_abruptly(), _finish())."""
+
+    def on_test_begin(self, logs=None):
+        self._evaluation_begin("test")
+
+    def on_test_end(self, logs=None):
+        self._evaluation_end("test")
+
+    def on_predict_begin(self, logs=None):
+        self._evaluation_begin("predict")
+
+    def on_predict_end(self, logs=None):
+        self._evaluation_end("predict")
+
+    def _evaluation_begin(self, phase):
+        if _backend.framework() == "jax" or self.model is None:
+            return   # (Keras' JAX backend: XLA's cap, no pool to ask)
+        device = _install.resolve_device(self.device)
+        if _install.not_serving(device) is not None:
+            return
+        attribute = _PHASES[phase][1]
+        current = getattr(self.model, attribute, None)
+        if current is None or getattr(current, "_tf_memguard_original", None) is not None:
+            return
+        owner, pool, oom_types = weakref.ref(self), _install.device_pool(device), _backend.oom_errors()
+        checking = []   # truthy while this guard's own steps run
+        start = account(pool.stats())   # Keras' copies of the data are made before this hook
+
+        def guarded(*args, **kwargs):
+            cb = owner()
+            if cb is None or checking:
+                return current(*args, **kwargs)
+            refusals = pool.stats()["num_refusals"]
+            try:
+                return current(*args, **kwargs)
+            except oom_types as e:
+                if pool.stats()["num_refusals"] > refusals:   # (else not the budget's refusal)
+                    _recording.clear_chain(e)
+                    checking.append(True)
+                    try:
+                        cb._explain_evaluation_oom(e, phase, device, pool, start)
+                    finally:
+                        checking.clear()
+                raise
+
+        guarded._tf_memguard_original = current
+        setattr(self.model, attribute, guarded)
+
+    def _evaluation_end(self, phase):
+        if self.model is None:
+            return
+        attribute = _PHASES[phase][1]
+        current = getattr(self.model, attribute, None)
+        original = getattr(current, "_tf_memguard_original", None)
+        if original is not None:
+            setattr(self.model, attribute, original)
+
+    def _explain_evaluation_oom(self, error, phase, device, pool, start):
+        """Adds the note to `error`, raised by an evaluation step (`start`: the bytes in use
+        when the call's steps began); in fit(), ends its run."""
+        refusal = pool.last_refusal()
+        method_name = _PHASES[phase][0]
+        args = _fit_args.call_arguments(method_name)
+        in_fit = phase == "test" and bool(_fit_args.fit_arguments()) and \
+            getattr(self, "_run_token", None) is not None and getattr(self, "_active", False)
+        call, argument = ("fit()'s validation", "validation_batch_size") if in_fit else (f"{method_name}()",
+                                                                                          "batch_size")
+        x, y, weights = args.get("x"), args.get("y"), args.get("sample_weight")
+        arrays = _fit_args.is_arrays(x) or _fit_args.is_sliceable(x)
+        if arrays:
+            n = _fit_args.num_samples(x)
+            running = min(args.get("batch_size") or 32, n)   # Keras' default of 32
+        else:
+            running = _fit_args.dataset_batch_size(x) if _fit_args.is_dataset(x) else None
+        self._evaluation_end(phase)
+        if in_fit:
+            self._monitor.hold_window()   # the validation's peak is the run's
+        if arrays and running:
+            size, method = largest_that_fits(self.model, phase, (x, y, weights), running, pool, start)
+        elif _fit_args.is_dataset(x):
+            argument = "." + _fit_args.dataset_batch_method(x)
+            size, method = None, "no step of another size can be taken from a dataset's batches"
+        else:
+            size, method = None, ("no step of another size can be taken from a generator or PyDataset: make its "
+                                  "batches smaller")
+        note = _oom.evaluation(device, refusal, call, argument, running, size, method)
+        if in_fit:
+            self._end_abruptly()
+            drop_validation_iterator(self.model)
+            self._oom = note
+            self._finish()
+        _add_note(error, note)
+
+
+def drop_validation_iterator(model):
+    """Drops the validation iterator Keras keeps on the model from a fit()'s first
+    evaluation until the next fit() starts: after fit()'s validation failed, it held the
+    failed step's batch (24 MiB of a 160 MiB budget: 2,048 32x32 images)."""
+    if model is not None and getattr(model, "_eval_epoch_iterator", None) is not None:
+        model._eval_epoch_iterator = None
+
+
+def _add_note(error, message):
+    note = "tf_memguard: " + message
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python < 3.11
+        error._message = f"{error.message}\n\n{note}"
+
+
+def largest_that_fits(model, phase, data, failed, pool, start):
+    """(size, method): the largest batch size below `failed` (a size whose step was
+    refused) whose evaluation step, on the first samples of `data` (x, y, sample_weight),
+    completed here and fits the call as it runs (0 when none of those tried did), and how
+    it was found. `start`: the bytes in use when the failed call's steps began.
+
+    The steps run while the failed call still holds what it made beyond `start` (its
+    failed batch, the batches prepared ahead at its size, predict()'s outputs so far: the
+    retry will not, and the step's peak is taken without them), and a step's peak counts
+    with what the call holds beside it that such a step does not meet:
+    - the batches Keras' pipeline prepares ahead: up to PREPARED_BATCHES of them, as many
+      as the call has after the current one (fit()'s CNN validated on 2,048 32x32 images
+      under 160 MiB at validation_batch_size=2048: a step of its own at 668 completed, and
+      the retry's validation at 668 ran out, 20.9 MiB refused at 145 MiB in use);
+    - predict()'s outputs of the batches before it, which Keras keeps in the pool until it
+      concatenates them, at its end, into as much again;
+    - RUN_SPREAD of what the step grew by: its peak moves with the order its kernels run
+      in by up to that share from step to step, and one step is one draw of it
+      (_memory_model.RUN_SPREAD), and LAYOUT_SLACK of the budget, for the layout;
+    and a size is tried at most RUN_SPREAD below one that ran out, for the same reason."""
+    x, y, weights = data
+    oom_types = _backend.oom_errors()
+    n = _fit_args.num_samples(x)
+    leaves = [a for d in (x, y, weights) if d is not None for a in keras_leaves(d)]
+    per_sample = sum(_fit_args.fed_nbytes(a) / max(1, int(a.shape[0])) for a in leaves)
+    budget = pool.stats()["bytes_limit"] * (1 - LAYOUT_SLACK)
+    held = max(0, account(pool.stats()) - start)   # the failed call's, freed before the retry
+
+    def completes(size):
+        head = [None if d is None else _fit_args.first_samples(d, size) for d in (x, y, weights)]
+        pool.reset_peak()
+        before = account(pool.stats())
+        try:
+            if phase == "test":
+                model.test_on_batch(*head)
+                outputs = 0
+            else:
+                out = model.predict_on_batch(head[0])
+                outputs = sum(int(getattr(a, "nbytes", 0)) for a in keras_leaves(out)) / size
+        except oom_types as e:
+            _recording.clear_chain(e)
+            return False
+        peak = account(pool.stats(), "window_peak_bytes_in_use") - held
+        prepared = min(PREPARED_BATCHES, -(-n // size) - 1) * size * per_sample
+        need = peak + RUN_SPREAD * max(0, peak + held - before) + prepared + (n - size) * outputs
+        return need <= budget and start + 2 * n * outputs <= budget
+
+    fits, refused = 0, [failed]
+    for _ in range(CHECK_STEPS):
+        below = int(min(refused) / (1 + RUN_SPREAD))
+        size = below // 2 if not fits else (fits + below + 1) // 2
+        size = min(size, below)
+        if size <= fits or size < 1:
+            break
+        if completes(size):
+            fits = size
+        else:
+            refused.append(size)
+    pool.reset_peak()
+    if phase == "test":
+        model.reset_metrics()
+    tried = ", ".join(str(s) for s in sorted(refused[1:], reverse=True))
+    if fits:
+        return fits, (f"a step at {fits} completed here with the failed call's data still in the pool, with room "
+                      "for the batches prepared ahead and the kernels' orders" +
+                      (f" (steps at {tried} ran out or left no such room)" if tried else ""))
+    return 0, (f"steps at {tried or 'smaller sizes'} ran out too or left no room for the batches prepared ahead, "
+               "with the failed call's data still in the pool; after the except block and gc.collect() a smaller "
+               "size may fit")
+
+
+def keras_leaves(data):
+    import keras
+    return [a for a in keras.tree.flatten(data) if a is not None]
