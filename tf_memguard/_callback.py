@@ -45,7 +45,9 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
     request, the budget, what holds the memory, the largest free block, and the batch
     size that fits (or that none does, and which budget would); the model stays usable.
     Call ``gc.collect()`` before retrying: the failed fit()'s batches stay in the pool
-    until the exception is collected.
+    until the exception is collected. A step of fit()'s validation, or of evaluate() or
+    predict() given the callback, that does not fit gets the note too, with the largest
+    validation_batch_size or batch_size of that step that fits (tf_memguard/_inference.py).
 
     On Keras' JAX backend the memory comes from the step XLA compiled
     (``memory_analysis()``, no run at other sizes): each training step is checked against
