@@ -15,6 +15,7 @@ iterator, which held the failed step's batch until the next fit(), is dropped
 import weakref
 
 from tf_memguard import _backend, _fit_args, _install, _oom, _recording
+from tf_memguard._errors import budget_exceeded_error
 from tf_memguard._memory_model import LAYOUT_SLACK, RUN_SPREAD
 from tf_memguard._monitor import account
 
@@ -62,29 +63,52 @@ class EvaluationGuard:
         checking = []   # truthy while this guard's own steps run
         start = account(pool.stats())   # Keras' copies of the data are made before this hook
 
-        def guarded(*args, **kwargs):
+        def explained(call, *args, **kwargs):
+            """call(*args, **kwargs), its error explained where the pool refused a request."""
             cb = owner()
             if cb is None or checking:
-                return current(*args, **kwargs)
+                return call(*args, **kwargs)
             refusals = pool.stats()["num_refusals"]
             try:
-                return current(*args, **kwargs)
-            except oom_types as e:
-                if pool.stats()["num_refusals"] > refusals:   # (else not the budget's refusal)
-                    _recording.clear_chain(e)
-                    checking.append(True)
-                    try:
-                        cb._explain_evaluation_oom(e, phase, device, pool, start)
-                    finally:
-                        checking.clear()
+                return call(*args, **kwargs)
+            except BaseException as e:
+                refusal = pool.last_refusal() if pool.stats()["num_refusals"] > refusals else None
+                constant = refusal is not None and refusal["kind"] == "constant" and \
+                    "Cannot parse tensor from proto" in str(e)
+                if refusal is None or not (isinstance(e, oom_types) or constant):
+                    raise   # (not the budget's refusal)
+                _recording.clear_chain(e)
+                checking.append(True)
+                try:
+                    note = cb._explain_evaluation_oom(e, phase, device, pool, start)
+                finally:
+                    checking.clear()
+                if constant:
+                    # TensorFlow could not build the step: a constant the pool refused.
+                    raise budget_exceeded_error()("tf_memguard: " + note) from e
                 raise
+
+        def guarded(*args, **kwargs):
+            return explained(current, *args, **kwargs)
 
         guarded._tf_memguard_original = current
         setattr(self.model, attribute, guarded)
+        if phase == "predict":
+            # predict() takes each batch from tf.data in Python, outside predict_function:
+            # a batch the pool refuses is refused there (at 2,048 64x64 images under 384
+            # MiB, the gather that slices it).
+            epochs = _fit_args.call_arguments("predict").get("epoch_iterator")
+            batches = getattr(epochs, "_get_iterator", None)
+            if batches is not None and "_get_iterator" not in vars(epochs):
+                epochs._get_iterator = lambda: _Explained(batches(), explained)
 
     def _evaluation_end(self, phase):
         if self.model is None:
             return
+        if phase == "predict":
+            epochs = _fit_args.call_arguments("predict").get("epoch_iterator")
+            if epochs is not None and "_get_iterator" in vars(epochs):
+                del epochs._get_iterator
         attribute = _PHASES[phase][1]
         current = getattr(self.model, attribute, None)
         original = getattr(current, "_tf_memguard_original", None)
@@ -93,7 +117,7 @@ class EvaluationGuard:
 
     def _explain_evaluation_oom(self, error, phase, device, pool, start):
         """Adds the note to `error`, raised by an evaluation step (`start`: the bytes in use
-        when the call's steps began); in fit(), ends its run."""
+        when the call's steps began), and returns it; in fit(), ends its run."""
         refusal = pool.last_refusal()
         method_name = _PHASES[phase][0]
         args = _fit_args.call_arguments(method_name)
@@ -126,6 +150,20 @@ class EvaluationGuard:
             self._oom = note
             self._finish()
         _add_note(error, note)
+        return note
+
+
+class _Explained:
+    """An iterator of batches whose next() goes through `explained` (see above)."""
+
+    def __init__(self, batches, explained):
+        self._batches, self._explained = iter(batches), explained
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._explained(next, self._batches)
 
 
 def drop_validation_iterator(model):
@@ -209,7 +247,8 @@ def largest_that_fits(model, phase, data, failed, pool, start):
     if fits:
         return fits, (f"a step at {fits} completed here with the failed call's data still in the pool, with room "
                       "for the batches prepared ahead and the kernels' orders" +
-                      (f" (steps at {tried} ran out or left no such room)" if tried else ""))
+                      (f" (steps at {tried} ran out or left no such room; some of them may fit once that data is "
+                       "freed)" if tried else ""))
     return 0, (f"steps at {tried or 'smaller sizes'} ran out too or left no room for the batches prepared ahead, "
                "with the failed call's data still in the pool; after the except block and gc.collect() a smaller "
                "size may fit")

@@ -85,3 +85,35 @@ def test_validation_evaluate_and_predict_out_of_memory_are_explained_and_their_s
         assert 1 <= (d[call + "_size"] or 0) < 2048 and d.get(call + "_retry") == "ran", d
     assert d["weights_unchanged"] and not d["over"], d
 
+
+
+def test_predict_explains_a_batch_its_pipeline_could_not_make():
+    # predict() takes each batch from tf.data in Python, outside predict_function: with a
+    # model whose step needs little, the batch itself (2,048 x 12 KiB) is what the pool
+    # refuses, in the pipeline's gather.
+    r = run("""
+        import re
+        import tf_memguard
+        tf_memguard.install(max_bytes=40 << 20)
+        import numpy as np, tensorflow as tf, keras
+        x = np.random.default_rng(0).random((2048, 32, 32, 3), dtype=np.float32)
+        m = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(4)])
+        out = {}
+        try:
+            m.predict(x, batch_size=2048, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            out["first"] = "completed"
+        except tf.errors.ResourceExhaustedError as e:
+            note = (getattr(e, "__notes__", None) or [""])[-1]
+            out["note"] = note
+            found = re.search(r"batch_size=(\\d+) \\(or less\\)", note)
+            out["size"] = int(found.group(1)) if found else None
+        gc.collect()
+        if out.get("size"):
+            out["retry"] = len(m.predict(x, batch_size=out["size"], verbose=0))
+        s = tf_memguard.stats()
+        emit(over=s["peak_bytes_reserved"] > s["bytes_limit"], **out)
+    """)
+    assert r.returncode == 0, r
+    d = r.data
+    assert "predict()'s, at batch_size=2048" in d.get("note", ""), d
+    assert 1 <= (d.get("size") or 0) < 2048 and d.get("retry") == 2048 and not d["over"], d
