@@ -82,6 +82,7 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--budget", type=int, default=512 << 20)
     ap.add_argument("--failed", type=int, default=4096)
+    ap.add_argument("--bisect", type=int, default=5, help="fresh-process runs at most per call, for the largest")
     a = ap.parse_args()
     rows = []
     for call in ("validation", "evaluate", "predict"):
@@ -91,7 +92,7 @@ def main():
         named = r.get("named")
         # The largest size that runs, in fresh processes (a plain run: no note asked for).
         lo, hi = (named, a.failed) if named and r.get("retry") == "ran" else (0, a.failed)
-        for _ in range(5):
+        for _ in range(a.bisect):
             if hi - lo <= max(8, lo // 32):
                 break
             mid = (lo + hi) // 2
