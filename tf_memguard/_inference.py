@@ -25,9 +25,18 @@ from tf_memguard._monitor import account
 # fits, so four of them end within 1/16 of the first size that completed.
 CHECK_STEPS = 6
 
-# Batches Keras' pipeline prepares ahead of the step: tf.data's autotuned prefetch held
-# three at every step's start in the runs measured (_step_data.NESTED_BATCHES' note).
-PREPARED_BATCHES = 3
+# Batches Keras' pipeline for arrays can hold beyond the one a step is given: it maps the
+# slicing of batches with num_parallel_calls=AUTOTUNE (up to one batch in flight per core,
+# TensorFlow's MaxParallelism) and prefetches with AUTOTUNE. Measured on 2 cores, predict()
+# on a model whose step takes no time (global pooling): 4.0-4.1 batches beyond the
+# current one at 32, 128 and 311 of 2,048 samples, all 4 of the epoch at 512. With 3 (the
+# count fit()'s steps met on the README's CNN, _step_data), a predict() at the 311 named
+# ran out in 1 of 8 runs. Two per core, bounded by the batches the call has left.
+def prepared_batches(left):
+    import os
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(2 * cores, left))
+
 
 # Keras' trainer method of each phase, the function it calls per step, the callback hooks.
 _PHASES = {"test": ("evaluate", "test_function"), "predict": ("predict", "predict_function")}
@@ -97,10 +106,19 @@ class EvaluationGuard:
             # predict() takes each batch from tf.data in Python, outside predict_function:
             # a batch the pool refuses is refused there (at 2,048 64x64 images under 384
             # MiB, the gather that slices it).
+            # After a failure the wrapper lets go of tf.data's iterator, and with it the
+            # batches prepared ahead (two of the three batches of 1,057 64x64 images held
+            # while the size was looked for, 99 of 149 MiB).
             epochs = _fit_args.call_arguments("predict").get("epoch_iterator")
             batches = getattr(epochs, "_get_iterator", None)
             if batches is not None and "_get_iterator" not in vars(epochs):
-                epochs._get_iterator = lambda: _Explained(batches(), explained)
+                def wrapped():
+                    iterator = _Explained(batches(), explained)
+                    made.append(weakref.ref(iterator))
+                    return iterator
+                made = []
+                epochs._get_iterator = wrapped
+                self._predict_batches = made
 
     def _evaluation_end(self, phase):
         if self.model is None:
@@ -133,10 +151,17 @@ class EvaluationGuard:
         else:
             running = _fit_args.dataset_batch_size(x) if _fit_args.is_dataset(x) else None
         self._evaluation_end(phase)
+        if phase == "predict":
+            for ref in getattr(self, "_predict_batches", None) or []:
+                if ref() is not None:
+                    ref().release()
         if in_fit:
             self._monitor.hold_window()   # the validation's peak is the run's
         if arrays and running:
-            size, method = largest_that_fits(self.model, phase, (x, y, weights), running, pool, start)
+            try:
+                size, method = largest_that_fits(self.model, phase, (x, y, weights), running, pool, start)
+            except Exception as e:  # noqa: BLE001 - the explanation must not replace the error
+                size, method = None, f"no size could be worked out: {type(e).__name__}: {e}"
         elif _fit_args.is_dataset(x):
             argument = "." + _fit_args.dataset_batch_method(x)
             size, method = None, "no step of another size can be taken from a dataset's batches"
@@ -163,7 +188,13 @@ class _Explained:
         return self
 
     def __next__(self):
+        if self._batches is None:
+            raise StopIteration
         return self._explained(next, self._batches)
+
+    def release(self):
+        """Lets go of the iterator (after its call failed: nothing takes from it again)."""
+        self._batches = None
 
 
 def drop_validation_iterator(model):
@@ -192,8 +223,8 @@ def largest_that_fits(model, phase, data, failed, pool, start):
     failed batch, the batches prepared ahead at its size, predict()'s outputs so far: the
     retry will not, and the step's peak is taken without them), and a step's peak counts
     with what the call holds beside it that such a step does not meet:
-    - the batches Keras' pipeline prepares ahead: up to PREPARED_BATCHES of them, as many
-      as the call has after the current one (fit()'s CNN validated on 2,048 32x32 images
+    - the batches Keras' pipeline prepares ahead (prepared_batches), at most as many as
+      the call has after the current one (fit()'s CNN validated on 2,048 32x32 images
       under 160 MiB at validation_batch_size=2048: a step of its own at 668 completed, and
       the retry's validation at 668 ran out, 20.9 MiB refused at 145 MiB in use);
     - predict()'s outputs of the batches before it, which Keras keeps in the pool until it
@@ -208,7 +239,6 @@ def largest_that_fits(model, phase, data, failed, pool, start):
     leaves = [a for d in (x, y, weights) if d is not None for a in keras_leaves(d)]
     per_sample = sum(_fit_args.fed_nbytes(a) / max(1, int(a.shape[0])) for a in leaves)
     budget = pool.stats()["bytes_limit"] * (1 - LAYOUT_SLACK)
-    held = max(0, account(pool.stats()) - start)   # the failed call's, freed before the retry
 
     def completes(size):
         head = [None if d is None else _fit_args.first_samples(d, size) for d in (x, y, weights)]
@@ -221,11 +251,16 @@ def largest_that_fits(model, phase, data, failed, pool, start):
             else:
                 out = model.predict_on_batch(head[0])
                 outputs = sum(int(getattr(a, "nbytes", 0)) for a in keras_leaves(out)) / size
-        except oom_types as e:
+        except Exception as e:  # noqa: BLE001
+            if not (isinstance(e, oom_types) or "Cannot parse tensor from proto" in str(e)):  # (a constant refused)
+                raise
             _recording.clear_chain(e)
             return False
+        # What the failed call holds as the step begins (it only shrinks: what is freed
+        # during the step stays in its peak, which then errs high).
+        held = max(0, before - start)
         peak = account(pool.stats(), "window_peak_bytes_in_use") - held
-        prepared = min(PREPARED_BATCHES, -(-n // size) - 1) * size * per_sample
+        prepared = prepared_batches(-(-n // size) - 1) * size * per_sample
         need = peak + RUN_SPREAD * max(0, peak + held - before) + prepared + (n - size) * outputs
         return need <= budget and start + 2 * n * outputs <= budget
 
