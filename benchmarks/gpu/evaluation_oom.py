@@ -6,8 +6,8 @@ size must run in the same process after the except block; the budget must hold. 
 largest size that runs, by bisection in fresh processes, for the ratio.
 
 Usage: KERAS_BACKEND=torch python3 benchmarks/gpu/evaluation_oom.py --out DIR
-(also runs on the TensorFlow backend on the CPU, for a dry run). Writes
-DIR/gpu_evaluation_oom.json."""
+(also runs on the TensorFlow backend on the CPU). Writes DIR/gpu_evaluation_oom.json on
+Keras' torch backend, DIR/cpu_evaluation_oom.json on TensorFlow's."""
 import argparse
 import json
 import os
@@ -104,7 +104,8 @@ def main():
         r["named_over_largest"] = round(named / lo, 3) if named and lo else None
         rows.append(r)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "gpu_evaluation_oom.json"), "w") as f:
+    name = "gpu" if os.environ.get("KERAS_BACKEND") == "torch" else "cpu"
+    with open(os.path.join(a.out, f"{name}_evaluation_oom.json"), "w") as f:
         json.dump({"budget": a.budget, "failed_size": a.failed, "rows": rows}, f, indent=1)
     print(f"{'call':<12}{'named':>8}{'retry':>16}{'largest ran':>13}{'ran out at':>12}{'ratio':>8}")
     for r in rows:
