@@ -224,17 +224,21 @@ def largest_that_fits(model, phase, data, failed, pool, start):
     retry will not, and the step's peak is taken without them), and a step's peak counts
     with what the call holds beside it that such a step does not meet:
     - the batches Keras' pipeline prepares ahead (prepared_batches), at most as many as
-      the call has after the current one (fit()'s CNN validated on 2,048 32x32 images
-      under 160 MiB at validation_batch_size=2048: a step of its own at 668 completed, and
-      the retry's validation at 668 ran out, 20.9 MiB refused at 145 MiB in use);
-    - predict()'s outputs of the batches before it, which Keras keeps in the pool until it
-      concatenates them, at its end, into as much again;
+      the call has after the current one, on TensorFlow, where they are in the pool
+      (fit()'s CNN validated on 2,048 32x32 images under 160 MiB at
+      validation_batch_size=2048: a step of its own at 668 completed, and the retry's
+      validation at 668 ran out, 20.9 MiB refused at 145 MiB in use);
+    - predict()'s outputs of the batches before it, which Keras keeps in the pool until its
+      end (TensorFlow then concatenates them there, into as much again);
     - RUN_SPREAD of what the step grew by: its peak moves with the order its kernels run
       in by up to that share from step to step, and one step is one draw of it
       (_memory_model.RUN_SPREAD), and LAYOUT_SLACK of the budget, for the layout;
     and a size is tried at most RUN_SPREAD below one that ran out, for the same reason."""
     x, y, weights = data
     oom_types = _backend.oom_errors()
+    # On Keras' torch backend the batches are prepared on the host and moved to the GPU in
+    # the step, and predict()'s outputs are concatenated on the host.
+    torch = _backend.framework() == "torch"
     n = _fit_args.num_samples(x)
     leaves = [a for d in (x, y, weights) if d is not None for a in keras_leaves(d)]
     per_sample = sum(_fit_args.fed_nbytes(a) / max(1, int(a.shape[0])) for a in leaves)
@@ -260,9 +264,9 @@ def largest_that_fits(model, phase, data, failed, pool, start):
         # during the step stays in its peak, which then errs high).
         held = max(0, before - start)
         peak = account(pool.stats(), "window_peak_bytes_in_use") - held
-        prepared = prepared_batches(-(-n // size) - 1) * size * per_sample
+        prepared = 0 if torch else prepared_batches(-(-n // size) - 1) * size * per_sample
         need = peak + RUN_SPREAD * max(0, peak + held - before) + prepared + (n - size) * outputs
-        return need <= budget and start + 2 * n * outputs <= budget
+        return need <= budget and start + (1 if torch else 2) * n * outputs <= budget
 
     fits, refused = 0, [failed]
     for _ in range(CHECK_STEPS):
