@@ -16,6 +16,7 @@ import weakref
 
 from tf_memguard import _backend, _fit_args, _install, _oom, _recording
 from tf_memguard._errors import budget_exceeded_error
+from tf_memguard._failures import FailureHandling
 from tf_memguard._memory_model import LAYOUT_SLACK, RUN_SPREAD
 from tf_memguard._monitor import account
 
@@ -174,7 +175,7 @@ class EvaluationGuard:
             drop_validation_iterator(self.model)
             self._oom = note
             self._finish()
-        _add_note(error, note)
+        FailureHandling._add_note(error, note)
         return note
 
 
@@ -203,14 +204,6 @@ def drop_validation_iterator(model):
     failed step's batch (24 MiB of a 160 MiB budget: 2,048 32x32 images)."""
     if model is not None and getattr(model, "_eval_epoch_iterator", None) is not None:
         model._eval_epoch_iterator = None
-
-
-def _add_note(error, message):
-    note = "tf_memguard: " + message
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:  # Python < 3.11
-        error._message = f"{error.message}\n\n{note}"
 
 
 def largest_that_fits(model, phase, data, failed, pool, start):
