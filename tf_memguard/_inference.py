@@ -16,9 +16,10 @@ import weakref
 
 from tf_memguard import _backend, _fit_args, _install, _oom, _recording
 from tf_memguard._errors import budget_exceeded_error
-from tf_memguard._failures import FailureHandling
+from tf_memguard._failures import HELD_AFTER_FAILURE, FailureHandling
 from tf_memguard._memory_model import LAYOUT_SLACK, RUN_SPREAD
 from tf_memguard._monitor import account
+from tf_memguard._units import format_bytes
 
 # Evaluation steps run at most to find a size that fits. From the failed size, halving
 # reaches one that fits within log2(failed / fitting) steps (two for a quarter), and the
@@ -237,6 +238,8 @@ def largest_that_fits(model, phase, data, failed, pool, start):
     per_sample = sum(_fit_args.fed_nbytes(a) / max(1, int(a.shape[0])) for a in leaves)
     budget = pool.stats()["bytes_limit"] * (1 - LAYOUT_SLACK)
 
+    per_output = [0.0]   # predict()'s output bytes per sample, once a step has shown them
+
     def completes(size):
         head = [None if d is None else _fit_args.first_samples(d, size) for d in (x, y, weights)]
         pool.reset_peak()
@@ -255,13 +258,23 @@ def largest_that_fits(model, phase, data, failed, pool, start):
             return False
         # What the failed call holds as the step begins (it only shrinks: what is freed
         # during the step stays in its peak, which then errs high).
-        held = max(0, before - start)
-        peak = account(pool.stats(), "window_peak_bytes_in_use") - held
+        grew[size] = max(0, account(pool.stats(), "window_peak_bytes_in_use") - before)
+        per_output[0] = outputs
+        if need_at(size, grew[size]):
+            return True
+        no_room.append(size)
+        return False
+
+    def need_at(size, step_growth):
+        """True when a step at `size` that grows by `step_growth` bytes fits the call as it
+        runs once only what was in use at its start is: the step, RUN_SPREAD of its
+        growth, the batches prepared ahead, predict()'s outputs."""
         prepared = 0 if torch else prepared_batches(-(-n // size) - 1) * size * per_sample
-        need = peak + RUN_SPREAD * max(0, peak + held - before) + prepared + (n - size) * outputs
+        outputs = per_output[0]
+        need = start + step_growth * (1 + RUN_SPREAD) + prepared + (n - size) * outputs
         return need <= budget and start + (1 if torch else 2) * n * outputs <= budget
 
-    fits, refused = 0, [failed]
+    fits, refused, grew, no_room = 0, [failed], {}, []
     for _ in range(CHECK_STEPS):
         below = int(min(refused) / (1 + RUN_SPREAD))
         size = below // 2 if not fits else (fits + below + 1) // 2
@@ -272,18 +285,45 @@ def largest_that_fits(model, phase, data, failed, pool, start):
             fits = size
         else:
             refused.append(size)
+    held = max(0, account(pool.stats()) - start)
     pool.reset_peak()
     if phase == "test":
         model.reset_metrics()
     tried = ", ".join(str(s) for s in sorted(refused[1:], reverse=True))
+    predicted = 0
+    if fits and tried and held > HELD_AFTER_FAILURE:
+        # (below a size whose step completed and left no room: it is measured, not scaled)
+        predicted = _after_release(fits, grew[fits], need_at, min([int(failed / (1 + RUN_SPREAD))] +
+                                                                  [s - 1 for s in no_room]))
+    if predicted > fits:
+        return predicted, (f"the step at {fits}, which completed here with the failed call's data still in the pool "
+                           f"({format_bytes(held)}), taken as proportional to the batch size, with room for the "
+                           f"batches prepared ahead and the kernels' orders, once that data is freed (steps at {tried} "
+                           "ran out beside it)")
     if fits:
         return fits, (f"a step at {fits} completed here with the failed call's data still in the pool, with room "
                       "for the batches prepared ahead and the kernels' orders" +
-                      (f" (steps at {tried} ran out or left no such room; some of them may fit once that data is "
-                       "freed)" if tried else ""))
+                      (f" (steps at {tried} ran out or left no such room)" if tried else ""))
     return 0, (f"steps at {tried or 'smaller sizes'} ran out too or left no room for the batches prepared ahead, "
                "with the failed call's data still in the pool; after the except block and gc.collect() a smaller "
                "size may fit")
+
+
+def _after_release(size, grew, need_at, below):
+    """The largest batch size up to `below` whose step fits once the failed call's data is
+    freed, by the step at `size` that completed beside it, which grew by `grew` bytes: each
+    block of that step taken as proportional to the batch size (the bound of the two a
+    step at one size allows that needs more above it: a block of fixed size, as a kernel's
+    workspace, scaled with the rest), `need_at(b, grew_b)` the room a step at b needs with
+    it. 0 when none above `size` fits so."""
+    lo, hi = size, below + 1   # need_at(lo) fits; find the largest b < hi that does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if need_at(mid, grew * mid / size):
+            lo = mid
+        else:
+            hi = mid
+    return lo if lo > size else 0
 
 
 def keras_leaves(data):

@@ -117,3 +117,51 @@ def test_predict_explains_a_batch_its_pipeline_could_not_make():
     d = r.data
     assert "predict()'s, at batch_size=2048" in d.get("note", ""), d
     assert 1 <= (d.get("size") or 0) < 2048 and d.get("retry") == 2048 and not d["over"], d
+
+
+def test_a_validation_size_is_worked_out_for_after_the_failed_call_s_data_is_freed():
+    # Failed at validation_batch_size=512 of 2,048 64x64 images under 192 MiB, the failed
+    # call holds 72 MiB (its batches prepared ahead) while the note's size is looked for:
+    # no step of its own above about 30 completes beside them, and 28 was named, where
+    # 176 trains in fresh processes (199 runs out). The step that completed, taken as
+    # proportional to the batch size, names the size for after they are freed (139 here).
+    r = run("""
+        import re
+        import tf_memguard
+        tf_memguard.install(max_bytes=192 << 20)
+        import numpy as np, tensorflow as tf, keras
+        from keras import layers
+        rng = np.random.default_rng(0)
+        x = rng.random((2048, 64, 64, 3), dtype=np.float32)
+        y = rng.integers(0, 10, 2048)
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((64, 64, 3))] + [
+            l for f in (16, 32, 64) for l in (layers.Conv2D(f, 3, padding="same", activation="relu"),
+                                              layers.BatchNormalization(), layers.MaxPooling2D())
+        ] + [layers.GlobalAveragePooling2D(), layers.Dense(10)])
+        m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+        def fit(size, callbacks):
+            m.fit(x[:256], y[:256], batch_size=32, epochs=1, verbose=0, validation_data=(x, y),
+                  validation_batch_size=size, callbacks=callbacks)
+        out = {}
+        try:
+            fit(512, [tf_memguard.MemGuardCallback(verbose=0)])
+            out["first"] = "completed"
+        except tf.errors.ResourceExhaustedError as e:
+            out["note"] = (getattr(e, "__notes__", None) or [""])[-1]
+        gc.collect()
+        found = re.search(r"validation_batch_size=(\\d+) \\(or less\\)", out.get("note", ""))
+        out["size"] = int(found.group(1)) if found else None
+        if out["size"]:
+            fit(out["size"], [])
+            out["retry"] = "trained"
+        s = tf_memguard.stats()
+        emit(over=s["peak_bytes_reserved"] > s["bytes_limit"], **out)
+    """)
+    assert r.returncode == 0, r
+    d = r.data
+    assert "validation_batch_size=512" in d.get("note", ""), d
+    # At least half of the largest size that trains (176); the retry, after the except
+    # block, trains at it.
+    assert (d["size"] or 0) >= 88 and d.get("retry") == "trained" and not d["over"], d
