@@ -5,6 +5,7 @@ The callback orchestrates: _monitor measures, _steps records the steps the memor
 is made of, _advice asks the model, _failures handles a step that fails (_oom words it),
 _guard keeps fit()'s functions, _inference explains a validation, evaluate() or predict()
 step that fails, _report keeps the run."""
+import dataclasses
 import warnings
 
 import keras
@@ -236,6 +237,11 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
         # suggestion is first read (_confirm: fit()'s copy of the data is in the pool now).
         s = self._suggestion
         confirm = bool(self._sampler and s and s.batch_size > self._run_batch and self._cluster is None)
+        if confirm and not self._sampler.data.usable:
+            # A generator or a PyDataset: no step at another size can be taken from its batches.
+            confirm = False
+            self._suggestion = dataclasses.replace(s, method=s.method + "; not confirmed by a step at it (a "
+                                                   "generator or PyDataset makes its own batches)")
         self._finish(_confirm.resolver(self) if confirm else None)
 
     # -- advice --------------------------------------------------------------------------

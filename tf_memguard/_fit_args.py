@@ -98,14 +98,14 @@ def is_dataset(data):
 def batch_size(fit_args):
     """fit()'s batch size: its argument for arrays or tensors (Keras' default of 32 when None), else a
     tf.data dataset's static batch dimension, else the size its batch() was given, else a
-    PyDataset's first batch's, else None."""
+    PyDataset's first batch's, else a generator's first batch's, else None."""
     import keras
     x = fit_args.get("x")
     if is_arrays(x) or is_sliceable(x):  # tensors are batched by fit() as arrays are
         return fit_args.get("batch_size") or 32
     spec = getattr(x, "element_spec", None)
     if spec is None:
-        return py_dataset_batch_size(x)
+        return py_dataset_batch_size(x) or generator_batch_size(fit_args)
     leaves = [leaf for leaf in keras.tree.flatten(spec) if getattr(leaf, "shape", None) is not None
               and leaf.shape.rank is not None and len(leaf.shape) > 0]
     dims = {leaf.shape[0] for leaf in leaves}
@@ -130,7 +130,24 @@ def py_dataset_batch_size(x):
         first = x[0]
     except Exception:  # noqa: BLE001 - the user's __getitem__; the advice does without
         return None
-    inputs = first[0] if isinstance(first, tuple) else first
+    return _first_dimension(first[0] if isinstance(first, tuple) else first)
+
+
+def generator_batch_size(fit_args):
+    """A Python generator's batch size: the first dimension of the first batch Keras took
+    from it (its GeneratorDataAdapter reads the first batches for their specs before fit()
+    runs, and keeps them, `_first_batches`), or None when there is none, or its inputs
+    disagree."""
+    adapter = getattr(fit_args.get("epoch_iterator"), "data_adapter", None)
+    first = getattr(adapter, "_first_batches", None)
+    if not first or not isinstance(first[0], tuple):
+        return None
+    return _first_dimension(first[0][0])
+
+
+def _first_dimension(inputs):
+    """The first dimension all of a batch's inputs share, or None."""
+    import keras
     dims = {int(a.shape[0]) for a in keras.tree.flatten(inputs)
             if getattr(a, "shape", None) is not None and len(a.shape) > 0 and a.shape[0] is not None}
     return dims.pop() if len(dims) == 1 else None

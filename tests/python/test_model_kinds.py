@@ -4,7 +4,7 @@ tf.SparseTensor); a loss over every pair of samples in a batch (batch x batch
 similarities, as SimCLR's and CLIP's), whose memory grows with the square of the batch (a
 line through two steps fell short of it: the model named 2,680 from a run at 808, short
 runs there and just below were refused, and the run's own 808 was named where 1,778
-trains); text as strings, on a tf.data pipeline or as a tensor; a keras.utils.PyDataset."""
+trains); text as strings, on a tf.data pipeline or as a tensor; a keras.utils.PyDataset; a Python generator."""
 import pytest
 
 from tfproc import run
@@ -207,6 +207,36 @@ def test_a_py_dataset_gets_its_batch_size_read_and_a_suggestion_that_trains():
     assert r.returncode == 0, r
     d = r.data
     assert d["run"] == 40 and d["size"] and d["size"] >= 40 and d["trained"] and not d["over"], d
+
+
+def test_a_generator_gets_its_batch_size_read_and_a_suggestion_that_trains():
+    # fit(generator) gives no batch_size either: the callback reads the first batch Keras
+    # took from it (it named nothing, and said nothing, before). Its suggestion is not
+    # confirmed by a step (none can be taken from a generator's batches), and the report
+    # says so rather than "confirmed when read".
+    r = run(PYDATASET, """
+        def batches(b):
+            while True:
+                for i in range(0, n - b + 1, b):
+                    yield xs[i:i + b], ys[i:i + b]
+        m.fit(batches(40), steps_per_epoch=n // 40, epochs=2, verbose=0,
+              callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        rep = tf_memguard.report()
+        text = str(rep)
+        size = rep.suggested_batch_size
+        try:
+            m.fit(batches(size), steps_per_epoch=n // size, epochs=2, verbose=0)
+            trained = True
+        except tf.errors.ResourceExhaustedError:
+            trained = False
+        emit(run=rep.batch_size, size=size, trained=trained, method=rep.suggestion_method, text=text,
+             over=tf_memguard.stats()["peak_bytes_reserved"] > tf_memguard.stats()["bytes_limit"])
+    """)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["run"] == 40 and d["size"] and d["size"] >= 40 and d["trained"] and not d["over"], d
+    if d["size"] > 40:
+        assert "not confirmed by a step" in d["method"] and "confirmed by a step at it when" not in d["text"], d
 
 
 def test_a_string_tensor_given_as_x_gets_short_runs_after_an_oom():
