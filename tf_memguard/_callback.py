@@ -10,7 +10,8 @@ import warnings
 
 import keras
 
-from tf_memguard import _advice, _backend, _confirm, _fit_args, _guard, _install, _monitor, _recording, _report, _workers
+from tf_memguard import _advice, _backend, _confirm, _dead_models, _fit_args, _guard, _install, _monitor, _recording, _report, \
+    _workers
 from tf_memguard._errors import budget_exceeded_error
 from tf_memguard._failures import FailureHandling
 from tf_memguard._inference import EvaluationGuard
@@ -119,6 +120,7 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
         if not self._active:
             return
         self._oom_types = _backend.oom_errors()
+        self._dead_watch = _dead_models.Watch()   # what TensorFlow keeps of the model once it is gone
         self._pool = _install.device_pool(self._device)
         self._start = self._pool.stats()
         self._budget = self._start["bytes_limit"]
@@ -269,6 +271,7 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
     # -- the report ----------------------------------------------------------------------
 
     def _finish(self, pending=None):
+        self._dead_watch.end()
         if self._sampler:
             self._sampler.train_end()
         model = self._sampler.model() if self._sampler else None

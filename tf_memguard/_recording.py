@@ -14,7 +14,7 @@ comes from Python, not from fit()'s tf.data pipeline).
 import gc
 import traceback
 
-from tf_memguard import _backend, _core
+from tf_memguard import _backend, _core, _dead_models
 from tf_memguard._fit_args import fed_nbytes, first_samples, num_samples
 from tf_memguard._step_trace import _ALLOC, _FREE, _OVERSHOOT, StepTrace
 from tf_memguard._snapshot import Snapshot
@@ -193,6 +193,7 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
     gc.collect()
     wait = recorder.pool.wait
     recorder.pool.set_wait(0)
+    dead_watch = _dead_models.Watch()
     try:
         with _OneStepPerExecution(model):
             model.fit(x, y, batch_size=batch_size, epochs=epochs, steps_per_epoch=steps if epochs == 1 else None,
@@ -202,6 +203,7 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
         clear_chain(e)
         del e
     finally:
+        dead_watch.end()
         recorder.pool.set_wait(wait)
         _nested.pop()
         recorder.abort()
