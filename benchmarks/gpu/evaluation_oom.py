@@ -95,7 +95,9 @@ def main():
         for _ in range(a.bisect):
             if hi - lo <= max(8, lo // 32):
                 break
-            mid = (lo + hi) // 2
+            # (geometric: the size named is far below the failed one, and the largest that
+            # runs near the named one)
+            mid = int((max(lo, 1) * hi) ** 0.5) if hi > 4 * max(lo, 1) else (lo + hi) // 2
             t = run(a.budget, call, mid)
             ok = t.get("first") == "ran"
             print(f"  {call} at {mid}: {'ran' if ok else t.get('first', t.get('error', '')[-200:])}", flush=True)
