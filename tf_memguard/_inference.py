@@ -7,8 +7,9 @@ largest batch size of that step that fits. That size is found by evaluation step
 its own (test_on_batch / predict_on_batch on the first samples of the same arrays), run
 before the error leaves the call, with Keras' copies of the data still in the pool as the
 retry will hold them; a step's peak counts with room for what such a step does not meet
-(the batches the pipeline prepares ahead) and for the kernels' orders
-(largest_that_fits). A fit() whose validation failed ends as after a failed training
+(the batches the pipeline prepares ahead) and for the kernels' orders; where the failed
+call's own batches left no room for larger steps, the largest that completed, scaled,
+names the size for the retry (largest_that_fits). A fit() whose validation failed ends as after a failed training
 step (nothing left switched on, its report made), and the model's cached validation
 iterator, which held the failed step's batch until the next fit(), is dropped
 (drop_validation_iterator)."""
@@ -211,7 +212,12 @@ def largest_that_fits(model, phase, data, failed, pool, start):
     """(size, method): the largest batch size below `failed` (a size whose step was
     refused) whose evaluation step, on the first samples of `data` (x, y, sample_weight),
     completed here and fits the call as it runs (0 when none of those tried did), and how
-    it was found. `start`: the bytes in use when the failed call's steps began.
+    it was found. `start`: the bytes in use when the failed call's steps began. Where
+    steps ran out beside what the failed call still holds (more than HELD_AFTER_FAILURE),
+    the size is the one its largest completed step, scaled, fits once that is freed, as
+    the retry after the except block meets it (_after_release): on a 64x64 CNN under 384
+    MiB whose validation failed at 2,048 with 96 MiB held, 20 completed beside it, 120 was
+    named, and 135 trains.
 
     The steps run while the failed call still holds what it made beyond `start` (its
     failed batch, the batches prepared ahead at its size, predict()'s outputs so far: the
@@ -296,10 +302,11 @@ def largest_that_fits(model, phase, data, failed, pool, start):
         predicted = _after_release(fits, grew[fits], need_at, min([int(failed / (1 + RUN_SPREAD))] +
                                                                   [s - 1 for s in no_room]))
     if predicted > fits:
-        return predicted, (f"the step at {fits}, which completed here with the failed call's data still in the pool "
+        return predicted, (f"the step at {fits} (it grew by {format_bytes(grew[fits])}), which completed here with "
+                           "the failed call's data still in the pool "
                            f"({format_bytes(held)}), taken as proportional to the batch size, with room for the "
                            f"batches prepared ahead and the kernels' orders, once that data is freed (steps at {tried} "
-                           "ran out beside it)")
+                           "ran out or left no such room beside it)")
     if fits:
         return fits, (f"a step at {fits} completed here with the failed call's data still in the pool, with room "
                       "for the batches prepared ahead and the kernels' orders" +

@@ -46,6 +46,8 @@ def attempt(size, callbacks):
 
 if CALL != "validation":
     m.fit(x[:256], y[:256], batch_size=64, epochs=1, verbose=0)
+gc.collect()
+out["in_use_before"] = tf_memguard.stats()["bytes_in_use"]
 try:
     attempt(SIZE, [tf_memguard.MemGuardCallback(verbose=0)])
     out["first"] = "ran"
@@ -56,6 +58,8 @@ except oom as e:
     found = re.search(r"(?:validation_)?batch_size=(\d+) \(or less\)", note)
     out["named"] = int(found.group(1)) if found else None
 gc.collect()
+# What the failed call left in the pool when the retry begins (its data must be gone).
+out["in_use_before_retry"] = tf_memguard.stats()["bytes_in_use"]
 if out.get("named"):
     try:
         attempt(out["named"], [])
@@ -64,6 +68,7 @@ if out.get("named"):
         out["retry"] = "out of memory"
 s = tf_memguard.stats()
 out["peak_reserved"], out["limit"] = s["peak_bytes_reserved"], s["bytes_limit"]
+out["peak_in_use"] = s["peak_bytes_in_use"]
 print("RESULT " + json.dumps(out))
 '''
 
@@ -90,6 +95,11 @@ def main():
         print(json.dumps({k: v for k, v in r.items() if k != "note"}), flush=True)
         print("  note:", r.get("note", "")[-420:], flush=True)
         named = r.get("named")
+        if named and r.get("retry") != "ran":
+            # The retry in the process ran out: does the size named run in a fresh one?
+            t = run(a.budget, call, named)
+            r["named_in_a_fresh_process"] = t.get("first", t.get("error", "")[-200:])
+            print(f"  {call} at {named} (named), fresh process: {r['named_in_a_fresh_process']}", flush=True)
         # The largest size that runs, in fresh processes (a plain run: no note asked for).
         lo, hi = (named, a.failed) if named and r.get("retry") == "ran" else (0, a.failed)
         for _ in range(a.bisect):
