@@ -314,7 +314,9 @@ def largest_that_fits(model, phase, data, failed, pool, start):
     if fits:
         return fits, (f"a step at {fits} completed here with the failed call's data still in the pool, with room "
                       "for the batches prepared ahead and the kernels' orders" +
-                      (f" (steps at {tried} ran out or left no such room)" if tried else ""))
+                      (f" (steps at {tried} ran out or left no such room" +
+                       ("; some of them may fit once that data is freed)" if held > HELD_AFTER_FAILURE else ")")
+                       if tried else ""))
     return 0, (f"steps at {tried or 'smaller sizes'} ran out too or left no room for the batches prepared ahead, "
                "with the failed call's data still in the pool; after the except block and gc.collect() a smaller "
                "size may fit")
