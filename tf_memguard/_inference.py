@@ -13,13 +13,14 @@ names the size for the retry (largest_that_fits). A fit() whose validation faile
 step (nothing left switched on, its report made), and the model's cached validation
 iterator, which held the failed step's batch until the next fit(), is dropped
 (drop_validation_iterator)."""
+import gc
 import weakref
 
 from tf_memguard import _backend, _fit_args, _install, _oom, _recording
 from tf_memguard._errors import budget_exceeded_error
 from tf_memguard._failures import HELD_AFTER_FAILURE, FailureHandling
 from tf_memguard._memory_model import LAYOUT_SLACK, RUN_SPREAD
-from tf_memguard._monitor import account
+from tf_memguard._monitor import account, step_growth
 from tf_memguard._units import format_bytes
 
 # Evaluation steps run at most to find a size that fits. From the failed size, halving
@@ -248,39 +249,41 @@ def largest_that_fits(model, phase, data, failed, pool, start):
 
     def completes(size):
         head = [None if d is None else _fit_args.first_samples(d, size) for d in (x, y, weights)]
-        pool.reset_peak()
-        before = account(pool.stats())
-        try:
+
+        def step():
             if phase == "test":
                 model.test_on_batch(*head)
-                outputs = 0
-            else:
-                out = model.predict_on_batch(head[0])
-                outputs = sum(int(getattr(a, "nbytes", 0)) for a in keras_leaves(out)) / size
+                return 0
+            out = model.predict_on_batch(head[0])
+            return sum(int(getattr(a, "nbytes", 0)) for a in keras_leaves(out)) / size
+        try:
+            outputs, grew[size], took[size] = step_growth(pool, step)
         except Exception as e:  # noqa: BLE001
             if not (isinstance(e, oom_types) or "Cannot parse tensor from proto" in str(e)):  # (a constant refused)
                 raise
             _recording.clear_chain(e)
+            del e
+            # What the step made before it ran out can sit in reference cycles with the
+            # error's frames; collected later, during the next step, it would hide part
+            # of that step's growth (step_growth counts it, the collection frees it now).
+            gc.collect()
             return False
-        # What the failed call holds as the step begins (it only shrinks: what is freed
-        # during the step stays in its peak, which then errs high).
-        grew[size] = max(0, account(pool.stats(), "window_peak_bytes_in_use") - before)
         per_output[0] = outputs
         if need_at(size, grew[size]):
             return True
         no_room.append(size)
         return False
 
-    def need_at(size, step_growth):
-        """True when a step at `size` that grows by `step_growth` bytes fits the call as it
+    def need_at(size, growth):
+        """True when a step at `size` that grows by `growth` bytes fits the call as it
         runs once only what was in use at its start is: the step, RUN_SPREAD of its
         growth, the batches prepared ahead, predict()'s outputs."""
         prepared = 0 if torch else prepared_batches(-(-n // size) - 1) * size * per_sample
         outputs = per_output[0]
-        need = start + step_growth * (1 + RUN_SPREAD) + prepared + (n - size) * outputs
+        need = start + growth * (1 + RUN_SPREAD) + prepared + (n - size) * outputs
         return need <= budget and start + (1 if torch else 2) * n * outputs <= budget
 
-    fits, refused, grew, no_room = 0, [failed], {}, []
+    fits, refused, grew, took, no_room = 0, [failed], {}, {}, []
     for _ in range(CHECK_STEPS):
         below = int(min(refused) / (1 + RUN_SPREAD))
         size = below // 2 if not fits else (fits + below + 1) // 2
@@ -297,11 +300,9 @@ def largest_that_fits(model, phase, data, failed, pool, start):
         model.reset_metrics()
     tried = ", ".join(str(s) for s in sorted(refused[1:], reverse=True))
     predicted = 0
-    # Not on Keras' torch backend: there the size so scaled for evaluate() ran out in its
-    # retry on an H100 (211, scaled from 42 with 192 MiB held; 181 runs), where the
-    # validation's ran (191; 218 runs out), and the cause was not found
-    # (benchmarks/NOTES.md, the twenty-first session's section).
-    if fits and tried and held > HELD_AFTER_FAILURE and not torch:
+    # Not from a step that completed only after refusals (above): scaled, it would name
+    # too large a size.
+    if fits and tried and held > HELD_AFTER_FAILURE and not took[fits]:
         # (below a size whose step completed and left no room: it is measured, not scaled)
         predicted = _after_release(fits, grew[fits], need_at, min([int(failed / (1 + RUN_SPREAD))] +
                                                                   [s - 1 for s in no_room]))
@@ -316,7 +317,9 @@ def largest_that_fits(model, phase, data, failed, pool, start):
                       "for the batches prepared ahead and the kernels' orders" +
                       (f" (steps at {tried} ran out or left no such room" +
                        ("; some of them may fit once that data is freed)" if held > HELD_AFTER_FAILURE else ")")
-                       if tried else ""))
+                       if tried else "") +
+                      (f"; {took[fits]} of its requests were refused and the framework fell back to kernels that "
+                       "need less, so it is not scaled" if took[fits] else ""))
     return 0, (f"steps at {tried or 'smaller sizes'} ran out too or left no room for the batches prepared ahead, "
                "with the failed call's data still in the pool; after the except block and gc.collect() a smaller "
                "size may fit")

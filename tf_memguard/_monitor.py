@@ -20,6 +20,32 @@ def account(stats, key="bytes_in_use"):
     return max(0, stats[key] - stats["passthrough_bytes_in_use"])
 
 
+def step_growth(pool, step):
+    """(what `step()` returned, the bytes it grew the account by at its peak, the requests
+    the pool refused during it) for a step that completed.
+
+    The growth counts from the lower of the account before and after the step: what was
+    held at its start and let go during it (freed by the collector, or replaced) is in
+    the account before but not at the peak, and would hide as much of the step's own
+    growth. On an H200 under Keras' torch backend an evaluation step at 42, run beside
+    the data of a call that had run out, grew by 80.7 MiB from the account before it
+    where the same step grows by 92.5 MiB, and a batch size scaled from it ran out
+    (benchmarks/NOTES.md, 2026-12-06). What a step leaves in use is counted where it
+    let nothing go; where it did both, the growth errs low by what it left (an evaluation
+    step leaves nothing: 0-3 MiB after whole evaluate() and predict() calls on the H200).
+
+    A refused request in a step that completed was taken by the framework, which then ran
+    kernels that need less (PyTorch's cuDNN convolutions try the next plan when their
+    workspace is refused): such a step grew by less than it will where there is room."""
+    pool.reset_peak()
+    stats = pool.stats()
+    before, refusals = account(stats), stats["num_refusals"]
+    result = step()
+    stats = pool.stats()
+    growth = max(0, account(stats, "window_peak_bytes_in_use") - min(before, account(stats)))
+    return result, growth, stats["num_refusals"] - refusals
+
+
 class Monitor:
     """Measures a run: call the hooks from the callback's hooks of the same names."""
 

@@ -47,6 +47,42 @@ def attempt(size, callbacks):
 if CALL != "validation":
     m.fit(x[:256], y[:256], batch_size=64, epochs=1, verbose=0)
 gc.collect()
+if CALL == "probe":
+    # How much a step grows the pool at each size: test_on_batch() / predict_on_batch()
+    # (what the note's sizes are measured with) against evaluate() / predict() over one
+    # batch and over the whole data set (what the retry runs).
+    def grew(fn):
+        gc.collect()
+        tf_memguard.reset_peak()
+        s = tf_memguard.stats()
+        before, refusals = s["bytes_in_use"], s["num_refusals"]
+        try:
+            fn()
+        except oom:
+            return {"out_of_memory": True, "before": before}
+        s = tf_memguard.stats()
+        return {"grew": s["window_peak_bytes_in_use"] - before, "left": s["bytes_in_use"] - before,
+                "refusals_taken": s["num_refusals"] - refusals}
+    # (SIZE must run: what a call that ran out leaves is not freed here)
+    for size in (SIZE // 8, SIZE // 4, SIZE // 2, SIZE):
+        out[str(size)] = {
+            "test_on_batch": grew(lambda: m.test_on_batch(x[:size], y[:size])),
+            "evaluate_all": grew(lambda: m.evaluate(x, y, batch_size=size, verbose=0)),
+            "predict_on_batch": grew(lambda: m.predict_on_batch(x[:size])),
+            "predict_all": grew(lambda: m.predict(x, batch_size=size, verbose=0)),
+        }
+    # Again beside the whole data set held in the pool as one tensor (on the torch backend
+    # what a failed evaluate() at 4,096 holds: its batch, 192 MiB).
+    held = keras.ops.convert_to_tensor(x)
+    out["held"] = tf_memguard.stats()["bytes_in_use"]
+    for size in (SIZE // 8, SIZE // 4, SIZE // 2, SIZE):
+        out[f"{size}_beside_held"] = {
+            "test_on_batch": grew(lambda: m.test_on_batch(x[:size], y[:size])),
+            "predict_on_batch": grew(lambda: m.predict_on_batch(x[:size])),
+        }
+    del held
+    print("RESULT " + json.dumps(out))
+    sys.exit(0)
 out["in_use_before"] = tf_memguard.stats()["bytes_in_use"]
 try:
     attempt(SIZE, [tf_memguard.MemGuardCallback(verbose=0)])
@@ -88,9 +124,16 @@ def main():
     ap.add_argument("--budget", type=int, default=512 << 20)
     ap.add_argument("--failed", type=int, default=4096)
     ap.add_argument("--bisect", type=int, default=5, help="fresh-process runs at most per call, for the largest")
+    ap.add_argument("--probe", type=int, default=0,
+                    help="first, a step's growth at this size, half and a quarter: test_on_batch() and "
+                         "predict_on_batch() against evaluate() and predict()")
+    ap.add_argument("--calls", default="validation,evaluate,predict")
     a = ap.parse_args()
-    rows = []
-    for call in ("validation", "evaluate", "predict"):
+    rows, probe = [], None
+    if a.probe:
+        probe = run(a.budget, "probe", a.probe)
+        print("probe", json.dumps(probe), flush=True)
+    for call in a.calls.split(","):
         r = run(a.budget, call, a.failed)
         print(json.dumps({k: v for k, v in r.items() if k != "note"}), flush=True)
         print("  note:", r.get("note", "")[-420:], flush=True)
@@ -118,7 +161,8 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     name = "gpu" if os.environ.get("KERAS_BACKEND") == "torch" else "cpu"
     with open(os.path.join(a.out, f"{name}_evaluation_oom.json"), "w") as f:
-        json.dump({"budget": a.budget, "failed_size": a.failed, "rows": rows}, f, indent=1)
+        json.dump({"budget": a.budget, "failed_size": a.failed, "probe": probe,
+                   "rows": rows}, f, indent=1)
     print(f"{'call':<12}{'named':>8}{'retry':>16}{'largest ran':>13}{'ran out at':>12}{'ratio':>8}")
     for r in rows:
         print(f"{r['call']:<12}{str(r.get('named')):>8}{str(r.get('retry')):>16}{r['largest_that_ran']:>13}"

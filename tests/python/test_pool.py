@@ -472,3 +472,33 @@ def test_a_refusal_beside_free_bytes_in_shared_granules_says_why_it_did_not_fit(
     assert "544 KiB of the budget is not in use" in text and "64.0 KiB is left to back new granules" in text, text
     for b in blocks[1::2]:
         pool.free(b)
+
+
+def test_a_step_s_growth_counts_from_what_stays_in_use_not_from_what_it_frees():
+    # What was held as a step began and let go during it (a failed call's tensors, freed
+    # by the collector in the next step) is not the step's: its growth counts from the
+    # lower of the account before and after it (on an H200 a step so measured from before
+    # grew by 80.7 MiB where it grows by 92.5, and a size scaled from it ran out).
+    from tf_memguard._monitor import step_growth
+    pool = tf_memguard.Pool(max_bytes=64 * MiB)
+    weights = pool.allocate(4 * MiB)
+    held = [pool.allocate(12 * MiB)]
+
+    def step():
+        pool.free(held.pop())              # let go during the step, before its peak
+        scratch = pool.allocate(30 * MiB)  # the step's own peak
+        pool.free(scratch)
+        return "done"
+    assert step_growth(pool, step) == ("done", 30 * MiB, 0)
+    kept = []
+    # A step that lets nothing go: from the account before it, what it leaves included.
+    held.append(pool.allocate(2 * MiB))
+    assert step_growth(pool, lambda: kept.append(pool.allocate(3 * MiB))) == (None, 3 * MiB, 0)
+    # A refusal the step took (as PyTorch's cuDNN takes a refused workspace) is counted.
+
+    def takes_a_refusal():
+        with pytest.raises(MemoryError):
+            pool.allocate(128 * MiB)
+    assert step_growth(pool, takes_a_refusal)[2] == 1
+    for p in kept + held + [weights]:
+        pool.free(p)
