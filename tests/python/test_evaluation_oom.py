@@ -165,3 +165,51 @@ def test_a_validation_size_is_worked_out_for_after_the_failed_call_s_data_is_fre
     # At least half of the largest size that trains (176); the retry, after the except
     # block, trains at it.
     assert (d["size"] or 0) >= 88 and d.get("retry") == "trained" and not d["over"], d
+
+
+def test_a_step_that_took_a_refusal_is_not_scaled_from():
+    # A framework can take a refused request and run a kernel that needs less (PyTorch's
+    # cuDNN convolutions try the next plan when their workspace is refused): such a step,
+    # beside the failed call's data, grew by less than it will with room, and a size
+    # scaled from it would be too large. Here every step of the note's search asks for
+    # 1 GiB first and goes on without it; the note names a size found, not scaled.
+    r = run("""
+        import re
+        import tf_memguard
+        tf_memguard.install(max_bytes=192 << 20)
+        import numpy as np, tensorflow as tf, keras
+        from keras import layers
+        rng = np.random.default_rng(0)
+        x = rng.random((2048, 64, 64, 3), dtype=np.float32)
+        y = rng.integers(0, 10, 2048)
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((64, 64, 3))] + [
+            l for f in (16, 32, 64) for l in (layers.Conv2D(f, 3, padding="same", activation="relu"),
+                                              layers.BatchNormalization(), layers.MaxPooling2D())
+        ] + [layers.GlobalAveragePooling2D(), layers.Dense(10)])
+        m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        pool, test_on_batch = tf_memguard.device_pool(), m.test_on_batch
+
+        def falls_back(*args, **kwargs):
+            try:
+                pool.free(pool.allocate(1 << 30))
+            except MemoryError:
+                pass
+            return test_on_batch(*args, **kwargs)
+        object.__setattr__(m, "test_on_batch", falls_back)
+        out = {}
+        try:
+            m.fit(x[:256], y[:256], batch_size=32, epochs=1, verbose=0, validation_data=(x, y),
+                  validation_batch_size=512, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        except tf.errors.ResourceExhaustedError as e:
+            out["note"] = (getattr(e, "__notes__", None) or [""])[-1]
+        gc.collect()
+        found = re.search(r"validation_batch_size=(\\d+) \\(or less\\)", out.get("note", ""))
+        out["size"] = int(found.group(1)) if found else None
+        emit(**out)
+    """)
+    assert r.returncode == 0, r
+    d = r.data
+    assert "validation_batch_size=512" in d.get("note", ""), d
+    assert "were refused and the framework fell back" in d["note"] and "taken as proportional" not in d["note"], d
+    assert 1 <= (d["size"] or 0) < 512, d
