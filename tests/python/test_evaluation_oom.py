@@ -213,3 +213,55 @@ def test_a_step_that_took_a_refusal_is_not_scaled_from():
     assert "validation_batch_size=512" in d.get("note", ""), d
     assert "were refused and the framework fell back" in d["note"] and "taken as proportional" not in d["note"], d
     assert 1 <= (d["size"] or 0) < 512, d
+
+
+def test_a_line_that_a_step_which_ran_out_contradicts_is_not_scaled_from():
+    # A convolutional autoencoder (keras.io's denoising shape) under 64 MiB, evaluate()
+    # failed at 4,096 with 17.5 MiB held. With the search let run longer than its six
+    # steps, steps at 2 to 1,911 all run out near 60 MiB (a step at a new batch shape is
+    # traced again, and TensorFlow's optimizations fold constants in the pool), the step
+    # at 1 completes and grows by 349 KiB, and 96 scaled from it ran out in its retry. By
+    # that line the step at 2 would have fitted beside the held data, and it ran out: the
+    # line is not used, and the size named runs.
+    r = run("""
+        import re
+        import tf_memguard
+        tf_memguard.install(max_bytes=64 << 20)
+        import tf_memguard._inference
+        tf_memguard._inference.CHECK_STEPS = 12
+        import numpy as np, tensorflow as tf, keras
+        from keras import layers
+        rng = np.random.default_rng(0)
+        keras.utils.set_random_seed(0)
+        x = rng.random((4096, 28, 28, 1), dtype=np.float32)
+        inp = keras.Input((28, 28, 1))
+        h = layers.Conv2D(32, 3, activation="relu", padding="same")(inp)
+        h = layers.MaxPooling2D(2, padding="same")(h)
+        h = layers.Conv2D(32, 3, activation="relu", padding="same")(h)
+        h = layers.MaxPooling2D(2, padding="same")(h)
+        h = layers.Conv2DTranspose(32, 3, strides=2, activation="relu", padding="same")(h)
+        h = layers.Conv2DTranspose(32, 3, strides=2, activation="relu", padding="same")(h)
+        m = keras.Model(inp, layers.Conv2D(1, 3, activation="sigmoid", padding="same")(h))
+        m.compile("adam", "binary_crossentropy")
+        m.fit(x[:128], x[:128], batch_size=32, epochs=1, verbose=0)
+        out = {}
+        try:
+            m.evaluate(x, x, batch_size=4096, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        except tf.errors.ResourceExhaustedError as e:
+            out["note"] = (getattr(e, "__notes__", None) or [""])[-1]
+        gc.collect()
+        found = re.search(r"batch_size=(\\d+) \\(or less\\)", out.get("note", ""))
+        out["size"] = int(found.group(1)) if found else None
+        if out["size"]:
+            try:
+                m.evaluate(x, x, batch_size=out["size"], verbose=0)
+                out["retry"] = "ran"
+            except tf.errors.ResourceExhaustedError:
+                out["retry"] = "out of memory"
+        s = tf_memguard.stats()
+        emit(over=s["peak_bytes_reserved"] > s["bytes_limit"], **out)
+    """)
+    assert r.returncode == 0, r
+    d = r.data
+    assert "evaluate()'s, at batch_size=4096" in d.get("note", ""), d
+    assert not d["over"] and (d["size"] is None or d.get("retry") == "ran"), d
