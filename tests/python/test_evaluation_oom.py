@@ -31,6 +31,26 @@ def named(note, argument):
 """
 
 
+# 2,048 64x64 images under 192 MiB, validated at validation_batch_size=512: the failed
+# call holds 72 MiB (its batches prepared ahead) while the note's size is looked for.
+CNN64 = """
+import re
+import tf_memguard
+tf_memguard.install(max_bytes=192 << 20)
+import numpy as np, tensorflow as tf, keras
+from keras import layers
+rng = np.random.default_rng(0)
+x = rng.random((2048, 64, 64, 3), dtype=np.float32)
+y = rng.integers(0, 10, 2048)
+keras.utils.set_random_seed(0)
+m = keras.Sequential([keras.Input((64, 64, 3))] + [
+    l for f in (16, 32, 64) for l in (layers.Conv2D(f, 3, padding="same", activation="relu"),
+                                      layers.BatchNormalization(), layers.MaxPooling2D())
+] + [layers.GlobalAveragePooling2D(), layers.Dense(10)])
+m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+"""
+
+
 def test_validation_evaluate_and_predict_out_of_memory_are_explained_and_their_sizes_run():
     r = run(CNN, """
         out = {}
@@ -125,21 +145,7 @@ def test_a_validation_size_is_worked_out_for_after_the_failed_call_s_data_is_fre
     # no step of its own above about 30 completes beside them, and 28 was named, where
     # 176 trains in fresh processes (199 runs out). The step that completed, taken as
     # proportional to the batch size, names the size for after they are freed (139 here).
-    r = run("""
-        import re
-        import tf_memguard
-        tf_memguard.install(max_bytes=192 << 20)
-        import numpy as np, tensorflow as tf, keras
-        from keras import layers
-        rng = np.random.default_rng(0)
-        x = rng.random((2048, 64, 64, 3), dtype=np.float32)
-        y = rng.integers(0, 10, 2048)
-        keras.utils.set_random_seed(0)
-        m = keras.Sequential([keras.Input((64, 64, 3))] + [
-            l for f in (16, 32, 64) for l in (layers.Conv2D(f, 3, padding="same", activation="relu"),
-                                              layers.BatchNormalization(), layers.MaxPooling2D())
-        ] + [layers.GlobalAveragePooling2D(), layers.Dense(10)])
-        m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    r = run(CNN64, """
 
         def fit(size, callbacks):
             m.fit(x[:256], y[:256], batch_size=32, epochs=1, verbose=0, validation_data=(x, y),
@@ -173,21 +179,7 @@ def test_a_step_that_took_a_refusal_is_not_scaled_from():
     # beside the failed call's data, grew by less than it will with room, and a size
     # scaled from it would be too large. Here every step of the note's search asks for
     # 1 GiB first and goes on without it; the note names a size found, not scaled.
-    r = run("""
-        import re
-        import tf_memguard
-        tf_memguard.install(max_bytes=192 << 20)
-        import numpy as np, tensorflow as tf, keras
-        from keras import layers
-        rng = np.random.default_rng(0)
-        x = rng.random((2048, 64, 64, 3), dtype=np.float32)
-        y = rng.integers(0, 10, 2048)
-        keras.utils.set_random_seed(0)
-        m = keras.Sequential([keras.Input((64, 64, 3))] + [
-            l for f in (16, 32, 64) for l in (layers.Conv2D(f, 3, padding="same", activation="relu"),
-                                              layers.BatchNormalization(), layers.MaxPooling2D())
-        ] + [layers.GlobalAveragePooling2D(), layers.Dense(10)])
-        m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    r = run(CNN64, """
         pool, test_on_batch = tf_memguard.device_pool(), m.test_on_batch
 
         def falls_back(*args, **kwargs):
