@@ -323,7 +323,8 @@ def _replay(layout, sizes, slots, flags, nslots, budget):
     return _core.replay_step(sizes, slots, flags, nslots, int(budget), upstream=_replay_upstream(layout),
                              alignment=int(layout.get("alignment", 0)), granule_bytes=_granule(layout),
                              address_factor=int(layout.get("address_factor", 0)),
-                             small_threshold=int(layout.get("small_threshold", 0)))
+                             small_threshold=int(layout.get("small_threshold", 0)),
+                             zone_threshold=int(layout.get("zone_threshold", 0)))
 
 
 def _replay_upstream(layout):

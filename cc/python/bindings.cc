@@ -176,7 +176,8 @@ class Pool {
  public:
   Pool(const py::object& max_bytes, const py::object& alignment, const py::object& region_bytes,
        const py::object& small_threshold, const py::object& trace_capacity, const std::string& upstream,
-       int device, const py::object& address_factor, const py::object& trim_above_peak) {
+       int device, const py::object& address_factor, const py::object& trim_above_peak,
+       const py::object& zone_threshold) {
     tfmg_pool_options o;
     tfmg_pool_options_init(&o);
     o.upstream = parse_upstream(upstream);
@@ -187,6 +188,7 @@ class Pool {
     o.small_threshold = to_u64(small_threshold, "small_threshold", false);
     o.trace_capacity = to_u64(trace_capacity, "trace_capacity", false);
     o.address_factor = to_u64(address_factor, "address_factor", false);
+    o.zone_threshold = to_u64(zone_threshold, "zone_threshold", false);
     if (!trim_above_peak.is_none()) {
       const double t = trim_above_peak.cast<double>();
       if (!(t >= 0.0)) throw py::value_error("trim_above_peak=" + std::to_string(t) + ": must be 0 (off), a "
@@ -408,6 +410,7 @@ class Pool {
     d["page_bytes"] = l.page_bytes;
     d["small_threshold"] = l.small_threshold;
     d["address_factor"] = l.address_factor;
+    d["zone_threshold"] = l.zone_threshold;
     d["backs_on_demand"] = l.backs_on_demand != 0;
     d["upstream"] = l.upstream >= 0 && l.upstream < 5 ? upstreams[l.upstream] : "?";
     return d;
@@ -506,10 +509,11 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<Pool>(m, "Pool")
       .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&,
-                    const py::object&, const std::string&, int, const py::object&, const py::object&>(),
+                    const py::object&, const std::string&, int, const py::object&, const py::object&, const py::object&>(),
            py::arg("max_bytes") = 0, py::arg("alignment") = 0, py::arg("region_bytes") = 0,
            py::arg("small_threshold") = 0, py::arg("trace_capacity") = 0, py::arg("upstream") = "host",
-           py::arg("device") = 0, py::arg("address_factor") = 0, py::arg("trim_above_peak") = py::none())
+           py::arg("device") = 0, py::arg("address_factor") = 0, py::arg("trim_above_peak") = py::none(),
+           py::arg("zone_threshold") = 0)
       .def("allocate", &Pool::allocate, py::arg("nbytes"), py::arg("alignment") = 0,
            py::arg("must_succeed") = false, py::arg("batch") = false, py::arg("kind") = "other",
            py::arg("wait") = false)
@@ -612,7 +616,7 @@ PYBIND11_MODULE(_core, m) {
          py::array_t<uint32_t, py::array::c_style | py::array::forcecast> slots,
          py::array_t<uint32_t, py::array::c_style | py::array::forcecast> flags, uint64_t nslots,
          const py::object& max_bytes, const std::string& upstream, uint64_t alignment, uint64_t granule_bytes,
-         uint64_t address_factor, uint64_t small_threshold) {
+         uint64_t address_factor, uint64_t small_threshold, uint64_t zone_threshold) {
         if (sizes.ndim() != 1 || slots.ndim() != 1 || flags.ndim() != 1 || sizes.shape(0) != slots.shape(0) ||
             sizes.shape(0) != flags.shape(0)) {
           throw py::value_error("sizes, slots and flags must be 1-D arrays of one length");
@@ -625,6 +629,7 @@ PYBIND11_MODULE(_core, m) {
         o.granule_bytes = granule_bytes;
         o.address_factor = address_factor;
         o.small_threshold = small_threshold;
+        o.zone_threshold = zone_threshold == 0 ? 1 : zone_threshold;  // the layout's: 0 there is none
         o.trim_above_peak = 0.0;
         std::vector<tfmg_step_op> ops(static_cast<std::size_t>(sizes.shape(0)));
         auto z = sizes.unchecked<1>();
@@ -646,7 +651,7 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("sizes"), py::arg("slots"), py::arg("flags"), py::arg("nslots"), py::arg("max_bytes"),
       py::arg("upstream") = "host_lazy", py::arg("alignment") = 0, py::arg("granule_bytes") = 0,
-      py::arg("address_factor") = 0, py::arg("small_threshold") = 0,
+      py::arg("address_factor") = 0, py::arg("small_threshold") = 0, py::arg("zone_threshold") = 0,
       "Replays a step (ops: allocations, and frees flagged STEP_FREE) through a fresh pool with that budget.");
   m.attr("STEP_FREE") = TFMG_STEP_FREE;
   m.attr("ALLOC_MUST_SUCCEED") = TFMG_ALLOC_MUST_SUCCEED;

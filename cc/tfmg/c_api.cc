@@ -113,6 +113,15 @@ tfmg_status tfmg_pool_create(const tfmg_pool_options* o, tfmg_pool** out) {
     c.small_threshold = std::max(c.small_threshold, 4 * up->page_size());
   }
   c.trim_above_peak = o->trim_above_peak < 0 ? up->default_trim_above_peak() : o->trim_above_peak;
+  if (o->zone_threshold == 0 && up->backs_on_demand() && up->page_size() >= (std::size_t{2} << 20)) {
+    // Small requests in a zone of their own, below a 32nd of a 2 MiB granule: on random
+    // churn traces (eight seeds, host emulation of CUDA's layout), of the thresholds 64 KiB,
+    // 256 KiB and 1 MiB, 64 KiB cut the smallest budget most (benchmarks/NOTES.md, "Small
+    // blocks in a zone of their own"). Smaller granules were not measured: no zones.
+    c.zone_threshold = up->page_size() / 32;
+  } else if (o->zone_threshold > 1) {
+    c.zone_threshold = o->zone_threshold;
+  }
   try {
     *out = new tfmg_pool(std::move(up), c, o->upstream);
   } catch (const std::bad_alloc&) {
@@ -280,6 +289,7 @@ tfmg_status tfmg_pool_get_layout(tfmg_pool* p, tfmg_pool_layout* out) {
   out->page_bytes = p->impl.source().page_size();
   out->small_threshold = p->impl.small_threshold();
   out->address_factor = p->impl.address_factor();
+  out->zone_threshold = p->impl.zone_threshold();
   out->backs_on_demand = p->impl.source().backs_on_demand() ? 1 : 0;
   out->upstream = p->upstream;
   return TFMG_OK;

@@ -23,7 +23,7 @@ extern "C" {
 
 /* Bumped whenever a struct below or a function signature changes; the plugin and the
  * bindings refuse a core whose version differs from the header they were built with. */
-#define TFMG_ABI_VERSION 4  /* 4: TFMG_ALLOC_WAIT, wait statistics, trace events' threads */
+#define TFMG_ABI_VERSION 5  /* 5: zones (tfmg_pool_options and tfmg_pool_layout gain zone_threshold) */
 
 typedef enum tfmg_status {
   TFMG_OK = 0,
@@ -136,6 +136,12 @@ typedef struct tfmg_pool_options {
    * a page; 0: 64 KiB, or TF_MEMGUARD_HOST_GRANULE). A replay of a GPU pool's step uses
    * the GPU's 2 MiB. */
   uint64_t granule_bytes;
+  /* Requests below this many bytes take blocks from a zone of their own (regions only
+   * they use), so that small blocks do not keep granules backed among large ones; only
+   * where the upstream backs on demand. 0 picks the default: a 32nd of the backing
+   * granule where that is at least 2 MiB (64 KiB on CUDA virtual memory), else no
+   * zones; 1: no zones. */
+  uint64_t zone_threshold;
 } tfmg_pool_options;
 
 /* Statistics. The first eight fields carry TensorFlow's names and meanings
@@ -324,6 +330,7 @@ typedef struct tfmg_pool_layout {
   uint64_t page_bytes;       /* regions' unit; where backed on demand, the backing granule */
   uint64_t small_threshold;
   uint64_t address_factor;
+  uint64_t zone_threshold;   /* 0: no zones */
   int32_t backs_on_demand;
   int32_t upstream;          /* tfmg_upstream_kind */
 } tfmg_pool_layout;

@@ -47,10 +47,11 @@ pool::pool(std::unique_ptr<upstream> up, const pool_config& config)
     : upstream_(std::move(up)),
       granule_(config.alignment != 0 ? config.alignment : upstream_->default_alignment()),
       small_threshold_(config.small_threshold),
+      // Zones only where the budget bounds the bytes backed: elsewhere a region's every
+      // byte counts against it, and a second zone's region would take budget.
+      zone_threshold_(upstream_->backs_on_demand() ? config.zone_threshold : 0),
       first_region_bytes_(config.region_bytes),
       granule_shift_(static_cast<unsigned>(__builtin_ctzll(granule_))),
-      lists_(kExact, nullptr),
-      list_bits_(kExactWords, 0),
       direct_(16, std::hash<std::uintptr_t>{}, std::equal_to<std::uintptr_t>{},
               node_allocator<std::pair<const std::uintptr_t, direct_block>>(&arena_)),
       next_region_bytes_(config.region_bytes),
@@ -60,9 +61,13 @@ pool::pool(std::unique_ptr<upstream> up, const pool_config& config)
       trim_(backs_ ? config.trim_above_peak : 0.0),
       trace_(config.trace_capacity) {
   assert(is_pow2(granule_));
-  bins_.reserve(kBins);
-  for (unsigned i = 0; i < kBins; ++i) {
-    bins_.emplace_back(std::less<free_key>{}, node_allocator<free_key>(&arena_));
+  for (free_index& ix : zones_) {
+    ix.lists.assign(kExact, nullptr);
+    ix.list_bits.assign(kExactWords, 0);
+    ix.bins.reserve(kBins);
+    for (unsigned i = 0; i < kBins; ++i) {
+      ix.bins.emplace_back(std::less<free_key>{}, node_allocator<free_key>(&arena_));
+    }
   }
 }
 
@@ -74,97 +79,116 @@ unsigned pool::bin_of(std::size_t size) {
 }
 
 void pool::insert_free_locked(block* b) {
-  raise_largest_locked(b->size);
+  if (__builtin_expect(b->zone != 0, 0)) {
+    insert_free_in(zones_[1], b);
+  } else {
+    insert_free_in(zones_[0], b);
+  }
+}
+
+inline __attribute__((always_inline)) void pool::insert_free_in(free_index& ix, block* b) {
+  raise_largest_locked(ix, b->size);
   if (exact(b->size)) {
     const std::size_t n = b->size >> granule_shift_;
-    block* head = lists_[n];
+    block* head = ix.lists[n];
     if (head != nullptr && b->addr < head->addr) {
       // The head stays the block at the higher address of the two.
       b->at.fprev = head;
       b->fnext = head->fnext;
       if (b->fnext != nullptr) b->fnext->at.fprev = b;
       head->fnext = b;
-      ++listed_;
+      ++ix.listed;
       return;
     }
     b->at.fprev = nullptr;
     b->fnext = head;
     if (head != nullptr) head->at.fprev = b;
-    lists_[n] = b;
+    ix.lists[n] = b;
     const std::size_t w = n / 64;
-    list_bits_[w] |= std::uint64_t{1} << (n % 64);
-    list_mids_[w / 64] |= std::uint64_t{1} << (w % 64);
-    list_top_ |= std::uint64_t{1} << (w / 64);
-    ++listed_;
+    ix.list_bits[w] |= std::uint64_t{1} << (n % 64);
+    ix.list_mids[w / 64] |= std::uint64_t{1} << (w % 64);
+    ix.list_top |= std::uint64_t{1} << (w / 64);
+    ++ix.listed;
     return;
   }
-  b->bin = bin_of(b->size);
-  b->at.where = bins_[b->bin].insert(free_key{b->size, b->addr, b}).first;
-  bin_bits_[b->bin / 64] |= std::uint64_t{1} << (b->bin % 64);
+  b->bin = static_cast<std::uint16_t>(bin_of(b->size));
+  b->at.where = ix.bins[b->bin].insert(free_key{b->size, b->addr, b}).first;
+  ix.bin_bits[b->bin / 64] |= std::uint64_t{1} << (b->bin % 64);
 }
 
 void pool::erase_free_locked(block* b) {
-  forget_if_largest_locked(b);
+  if (__builtin_expect(b->zone != 0, 0)) {
+    erase_free_in(zones_[1], b);
+  } else {
+    erase_free_in(zones_[0], b);
+  }
+}
+
+inline __attribute__((always_inline)) void pool::erase_free_in(free_index& ix, block* b) {
+  if (b->size == ix.largest_size) ix.largest_known = false;  // forget_if_largest_locked
   if (exact(b->size)) {
     const std::size_t n = b->size >> granule_shift_;
     if (b->fnext != nullptr) b->fnext->at.fprev = b->at.fprev;
     if (b->at.fprev != nullptr) {
       b->at.fprev->fnext = b->fnext;
     } else {
-      lists_[n] = b->fnext;
+      ix.lists[n] = b->fnext;
       if (b->fnext == nullptr) {
         const std::size_t w = n / 64;
-        list_bits_[w] &= ~(std::uint64_t{1} << (n % 64));
-        if (list_bits_[w] == 0) {
-          list_mids_[w / 64] &= ~(std::uint64_t{1} << (w % 64));
-          if (list_mids_[w / 64] == 0) list_top_ &= ~(std::uint64_t{1} << (w / 64));
+        ix.list_bits[w] &= ~(std::uint64_t{1} << (n % 64));
+        if (ix.list_bits[w] == 0) {
+          ix.list_mids[w / 64] &= ~(std::uint64_t{1} << (w % 64));
+          if (ix.list_mids[w / 64] == 0) ix.list_top &= ~(std::uint64_t{1} << (w / 64));
         }
       }
     }
-    --listed_;
+    --ix.listed;
     return;
   }
-  free_set& set = bins_[b->bin];
+  free_set& set = ix.bins[b->bin];
   set.erase(b->at.where);
-  if (set.empty()) bin_bits_[b->bin / 64] &= ~(std::uint64_t{1} << (b->bin % 64));
+  if (set.empty()) ix.bin_bits[b->bin / 64] &= ~(std::uint64_t{1} << (b->bin % 64));
 }
 
-pool::block* pool::exact_fit_locked(std::size_t n) const {
+pool::block* pool::exact_fit_locked(const free_index& ix, std::size_t n) const {
   // Level 0: the rest of n's own word; level 1: the rest of its group of 64 words;
   // level 2: the next non-empty group.
   std::size_t w = n / 64;
-  std::uint64_t bits = list_bits_[w] & (~std::uint64_t{0} << (n % 64));
+  std::uint64_t bits = ix.list_bits[w] & (~std::uint64_t{0} << (n % 64));
   if (bits == 0) {
     std::size_t m = w / 64;
-    std::uint64_t mids = (w % 64 == 63) ? 0 : list_mids_[m] & (~std::uint64_t{0} << (w % 64 + 1));
+    std::uint64_t mids = (w % 64 == 63) ? 0 : ix.list_mids[m] & (~std::uint64_t{0} << (w % 64 + 1));
     if (mids == 0) {
-      const std::uint64_t top = (m == 63) ? 0 : list_top_ & (~std::uint64_t{0} << (m + 1));
+      const std::uint64_t top = (m == 63) ? 0 : ix.list_top & (~std::uint64_t{0} << (m + 1));
       if (top == 0) return nullptr;
       m = static_cast<std::size_t>(__builtin_ctzll(top));
-      mids = list_mids_[m];
+      mids = ix.list_mids[m];
     }
     w = m * 64 + static_cast<std::size_t>(__builtin_ctzll(mids));
-    bits = list_bits_[w];
+    bits = ix.list_bits[w];
   }
-  return lists_[w * 64 + static_cast<std::size_t>(__builtin_ctzll(bits))];
+  return ix.lists[w * 64 + static_cast<std::size_t>(__builtin_ctzll(bits))];
 }
 
-pool::block* pool::largest_free_block_locked() const {
+pool::block* pool::largest_free_block_locked(const free_index& ix) const {
   for (unsigned w = kBins / 64; w-- > 0;) {
-    if (bin_bits_[w] != 0) {
-      const unsigned bin = w * 64 + 63u - static_cast<unsigned>(__builtin_clzll(bin_bits_[w]));
-      return bins_[bin].rbegin()->b;
+    if (ix.bin_bits[w] != 0) {
+      const unsigned bin = w * 64 + 63u - static_cast<unsigned>(__builtin_clzll(ix.bin_bits[w]));
+      return ix.bins[bin].rbegin()->b;
     }
   }
-  if (list_top_ == 0) return nullptr;
-  const std::size_t m = 63u - static_cast<std::size_t>(__builtin_clzll(list_top_));
-  const std::size_t w = m * 64 + 63u - static_cast<std::size_t>(__builtin_clzll(list_mids_[m]));
-  return lists_[w * 64 + 63u - static_cast<std::size_t>(__builtin_clzll(list_bits_[w]))];
+  if (ix.list_top == 0) return nullptr;
+  const std::size_t m = 63u - static_cast<std::size_t>(__builtin_clzll(ix.list_top));
+  const std::size_t w = m * 64 + 63u - static_cast<std::size_t>(__builtin_clzll(ix.list_mids[m]));
+  return ix.lists[w * 64 + 63u - static_cast<std::size_t>(__builtin_clzll(ix.list_bits[w]))];
 }
 
 std::size_t pool::free_block_count_locked() const {
-  std::size_t n = listed_;
-  for (const free_set& set : bins_) n += set.size();
+  std::size_t n = 0;
+  for (const free_index& ix : zones_) {
+    n += ix.listed;
+    for (const free_set& set : ix.bins) n += set.size();
+  }
   return n;
 }
 
@@ -225,12 +249,16 @@ void* pool::allocate_now(std::size_t bytes, std::size_t alignment, unsigned flag
 
   // Small blocks go to the high end of the best-fitting free block (see pool.h).
   const bool small = size < small_threshold_ && alignment == granule_;
+  // Small requests take their zone's blocks, and the other zone's where it has none.
+  const int zone = alignment == granule_ ? zone_of(size) : 0;
   block* b = nullptr;
   // Backed on demand, back_block_locked holds the account to the budget; a plain
   // region is the budget, and only overshoot can make its free blocks too many.
   if (backs_ || pooled_in_use_ - draining_in_use_ + size <= budget_left_locked()) {
-    b = find_fit_locked(size, alignment, small);
-    if (b == nullptr && grow_locked(size, alignment)) b = find_fit_locked(size, alignment, small);
+    for (int z = zone; b == nullptr && z >= 0; --z) {
+      b = find_fit_locked(z, size, alignment, small);
+      if (b == nullptr && grow_locked(size, alignment, z)) b = find_fit_locked(z, size, alignment, small);
+    }
   }
   if (b == nullptr) {
     if (flags & TFMG_ALLOC_MUST_SUCCEED) {
@@ -249,7 +277,7 @@ void* pool::allocate_now(std::size_t bytes, std::size_t alignment, unsigned flag
     // refusing, the hole that needs the fewest new granules.
     free_block_locked(b);
     bool low = false;
-    block* other = alignment == granule_ ? least_backing_fit_locked(size, &low) : nullptr;
+    block* other = alignment == granule_ ? least_backing_fit_locked(zone, size, &low) : nullptr;
     b = other != nullptr ? carve_locked(other, size, alignment, !low) : nullptr;
     if (b != nullptr && !back_block_locked(b, &device_full)) {
       free_block_locked(b);
@@ -381,27 +409,33 @@ std::size_t pool::reclaim_locked(std::size_t bytes, bool dry_run) {
     gone += n;
     return gone >= bytes;
   };
+  // The zones' bins, then their lists, size class by size class from the top.
   for (unsigned bin = kBins; bin-- > 0;) {
-    for (auto it = bins_[bin].rbegin(); it != bins_[bin].rend(); ++it) {
-      if (take(it->b)) return gone;
+    for (const free_index& ix : zones_) {
+      for (auto it = ix.bins[bin].rbegin(); it != ix.bins[bin].rend(); ++it) {
+        if (take(it->b)) return gone;
+      }
     }
   }
   for (std::size_t w = kExactWords; w-- > 0;) {
-    for (std::uint64_t bits = list_bits_[w]; bits != 0;) {
-      const unsigned top = 63u - static_cast<unsigned>(__builtin_clzll(bits));
-      bits &= ~(std::uint64_t{1} << top);
-      for (block* f = lists_[w * 64 + top]; f != nullptr; f = f->fnext) {
-        if (take(f)) return gone;
+    for (const free_index& ix : zones_) {
+      for (std::uint64_t bits = ix.list_bits[w]; bits != 0;) {
+        const unsigned top = 63u - static_cast<unsigned>(__builtin_clzll(bits));
+        bits &= ~(std::uint64_t{1} << top);
+        for (block* f = ix.lists[w * 64 + top]; f != nullptr; f = f->fnext) {
+          if (take(f)) return gone;
+        }
       }
     }
   }
   return gone;
 }
 
-pool::block* pool::least_backing_fit_locked(std::size_t size, bool* low) {
+pool::block* pool::least_backing_fit_locked(int zone, std::size_t size, bool* low) {
   // Free blocks large enough, smallest first (the exact lists, then the trees), each
   // tried at its high end (where small blocks go) and its low end; at most
-  // kCandidates of them: this runs only at the budget, before a refusal.
+  // kCandidates of them: this runs only at the budget, before a refusal. The request's
+  // zone first, then (a small request) the other.
   constexpr int kCandidates = 256;
   int seen = 0;
   block* best = nullptr;
@@ -417,49 +451,53 @@ pool::block* pool::least_backing_fit_locked(std::size_t size, bool* low) {
     return best_need == 0 || ++seen >= kCandidates;
   };
   const std::size_t n = size >> granule_shift_;
-  if (n < kExact) {
-    for (std::size_t w = n / 64; w < kExactWords; ++w) {
-      std::uint64_t bits = list_bits_[w] & (w == n / 64 ? ~std::uint64_t{0} << (n % 64) : ~std::uint64_t{0});
-      while (bits != 0) {
-        const unsigned k = static_cast<unsigned>(__builtin_ctzll(bits));
-        bits &= bits - 1;
-        for (block* f = lists_[w * 64 + k]; f != nullptr; f = f->fnext) {
-          if (consider(f)) return best;
+  for (int z = zone; z >= 0; --z) {
+    const free_index& ix = zones_[z];
+    if (n < kExact) {
+      for (std::size_t w = n / 64; w < kExactWords; ++w) {
+        std::uint64_t bits = ix.list_bits[w] & (w == n / 64 ? ~std::uint64_t{0} << (n % 64) : ~std::uint64_t{0});
+        while (bits != 0) {
+          const unsigned k = static_cast<unsigned>(__builtin_ctzll(bits));
+          bits &= bits - 1;
+          for (block* f = ix.lists[w * 64 + k]; f != nullptr; f = f->fnext) {
+            if (consider(f)) return best;
+          }
         }
       }
     }
-  }
-  for (unsigned bin = bin_of(std::max(size, kExact << granule_shift_)); bin < kBins; ++bin) {
-    for (const free_key& k : bins_[bin]) {
-      if (k.size >= size && consider(k.b)) return best;
+    for (unsigned bin = bin_of(std::max(size, kExact << granule_shift_)); bin < kBins; ++bin) {
+      for (const free_key& k : ix.bins[bin]) {
+        if (k.size >= size && consider(k.b)) return best;
+      }
     }
   }
   return best;
 }
 
-pool::block* pool::find_fit_locked(std::size_t size, std::size_t alignment, bool small) {
+pool::block* pool::find_fit_locked(int zone, std::size_t size, std::size_t alignment, bool small) {
+  const free_index& ix = zones_[zone];
   // With an alignment above the granule, a block this much larger always has room
   // for the padding in front.
   free_key key{size + (alignment > granule_ ? alignment - granule_ : 0), 0, nullptr};
   if (exact(key.size)) {
-    block* b = exact_fit_locked(key.size >> granule_shift_);
+    block* b = exact_fit_locked(ix, key.size >> granule_shift_);
     if (b != nullptr) return b;
     key.size = kExact << granule_shift_;  // the smallest block of the trees
   }
   unsigned bin = bin_of(key.size);
-  const free_set* set = &bins_[bin];
+  const free_set* set = &ix.bins[bin];
   auto it = set->lower_bound(key);
   if (it == set->end()) {
     // The smallest block of the next non-empty bin: one bitmap scan.
     ++bin;
     unsigned w = bin / 64;
     if (w >= kBins / 64) return nullptr;
-    std::uint64_t bits = bin_bits_[w] & (~std::uint64_t{0} << (bin % 64));
+    std::uint64_t bits = ix.bin_bits[w] & (~std::uint64_t{0} << (bin % 64));
     while (bits == 0) {
       if (++w == kBins / 64) return nullptr;
-      bits = bin_bits_[w];
+      bits = ix.bin_bits[w];
     }
-    set = &bins_[w * 64 + static_cast<unsigned>(__builtin_ctzll(bits))];
+    set = &ix.bins[w * 64 + static_cast<unsigned>(__builtin_ctzll(bits))];
     it = set->begin();
   }
   if (!small) return it->b;
@@ -517,6 +555,7 @@ void pool::link_after(block* at, block* nb) {
   nb->prev = at;
   nb->next = at->next;
   nb->owner = at->owner;
+  nb->zone = at->zone;
   if (at->next != nullptr) at->next->prev = nb;
   at->next = nb;
 }
@@ -525,6 +564,7 @@ void pool::link_before(block* at, block* nb) {
   nb->next = at;
   nb->prev = at->prev;
   nb->owner = at->owner;
+  nb->zone = at->zone;
   if (at->prev != nullptr) {
     at->prev->next = nb;
   } else {
@@ -543,6 +583,15 @@ void pool::unlink(block* x) {
 }
 
 void pool::rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size) {
+  if (__builtin_expect(b->zone != 0, 0)) {
+    rekey_free_in(zones_[1], b, addr, size);
+  } else {
+    rekey_free_in(zones_[0], b, addr, size);
+  }
+}
+
+inline __attribute__((always_inline)) void pool::rekey_free_in(free_index& ix, block* b, std::uintptr_t addr,
+                                                               std::size_t size) {
   // When the new key stays in the same bin and between the same tree neighbours, the
   // node is updated in place: no erase, no insert, no rebalancing.
   if (exact(b->size) && exact(size)) {
@@ -551,8 +600,8 @@ void pool::rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size) {
       return;
     }
   } else if (!exact(b->size) && !exact(size)) {
-    const unsigned bin = bin_of(size);
-    free_set& set = bins_[b->bin];
+    const std::uint16_t bin = static_cast<std::uint16_t>(bin_of(size));
+    free_set& set = ix.bins[b->bin];
     if (bin == b->bin) {
       const free_key key{size, addr, b};
       // A bin's lone block (a region's remainder, most often) keeps its place whatever its
@@ -568,13 +617,13 @@ void pool::rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size) {
         return;
       }
     }
-    if (bin != b->bin && set.size() == 1 && bins_[bin].empty()) {
+    if (bin != b->bin && set.size() == 1 && ix.bins[bin].empty()) {
       // The lone block of its bin moving to an empty bin (a region's remainder crossing
       // a size-class boundary at every carve and free: a budget of exactly a class's
       // bound): the two trees swap, O(1), and the node keeps its place and iterator.
-      set.swap(bins_[bin]);
-      bin_bits_[b->bin / 64] &= ~(std::uint64_t{1} << (b->bin % 64));
-      bin_bits_[bin / 64] |= std::uint64_t{1} << (bin % 64);
+      set.swap(ix.bins[bin]);
+      ix.bin_bits[b->bin / 64] &= ~(std::uint64_t{1} << (b->bin % 64));
+      ix.bin_bits[bin / 64] |= std::uint64_t{1} << (bin % 64);
       b->at.where->size = size;
       b->at.where->addr = addr;
       b->addr = addr;
@@ -585,42 +634,57 @@ void pool::rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size) {
     // To another place or bin: the tree node moves, re-keyed (no node freed and made
     // again).
     auto node = set.extract(b->at.where);
-    if (set.empty()) bin_bits_[b->bin / 64] &= ~(std::uint64_t{1} << (b->bin % 64));
+    if (set.empty()) ix.bin_bits[b->bin / 64] &= ~(std::uint64_t{1} << (b->bin % 64));
     node.value().size = size;
     node.value().addr = addr;
     b->addr = addr;
     b->size = size;
     b->bin = bin;
-    b->at.where = bins_[bin].insert(std::move(node)).position;
-    bin_bits_[bin / 64] |= std::uint64_t{1} << (bin % 64);
+    b->at.where = ix.bins[bin].insert(std::move(node)).position;
+    ix.bin_bits[bin / 64] |= std::uint64_t{1} << (bin % 64);
     return;
   }
-  erase_free_locked(b);
+  erase_free_in(ix, b);
   b->addr = addr;
   b->size = size;
-  insert_free_locked(b);
+  insert_free_in(ix, b);
 }
 
-bool pool::grow_locked(std::size_t size, std::size_t alignment) {
+std::size_t pool::zone_reserved_locked(int zone) const {
+  if (zone_threshold_ == 0) return reserved_ - draining_;
+  std::size_t n = 0;
+  for (const auto& r : regions_) {
+    if (r->zone == zone && !r->draining) n += r->size;
+  }
+  return n;
+}
+
+std::size_t pool::zone_space_locked(int zone) const {
+  // The small requests' zone: as much address space as the budget, which its blocks in
+  // use never pass; the large requests' zone: what regions may take without zones.
+  return zone == 0 ? space_limit_locked() : limit_;
+}
+
+bool pool::grow_locked(std::size_t size, std::size_t alignment, int zone) {
   // The same slack find_fit_locked asks for, so the new region always serves the
   // request that made it (a region never stays reserved for a request then refused).
   const std::size_t page = upstream_->page_size();
   const std::size_t extra = alignment > granule_ ? alignment - granule_ : 0;
   const std::size_t need = round_up(size + extra, page);
-  const std::size_t space = space_limit_locked();
-  const std::size_t counted = reserved_ - draining_;
+  const std::size_t space = zone_space_locked(zone);
+  const std::size_t counted = zone_reserved_locked(zone);
   if (need > space || need < size || counted > space) return false;
   if (need > space - counted) {
     // Returning empty regions helps only if it makes room; otherwise change nothing,
     // so that a refusal leaves every counter as it was.
     std::size_t releasable = 0;
     for (const auto& r : regions_) {
-      if (r->first->free && r->first->next == nullptr && !r->draining) releasable += r->size;
+      if (r->first->free && r->first->next == nullptr && !r->draining && r->zone == zone) releasable += r->size;
     }
     if (need > space - counted + releasable) return false;
     release_unused_locked();
   }
-  const std::size_t room = round_down(space - (reserved_ - draining_), page);
+  const std::size_t room = round_down(space - zone_reserved_locked(zone), page);
   std::size_t want = std::max(need, std::min(round_up(std::min(next_region_bytes_, room), page), room));
   void* p = upstream_->allocate(want, page, true);
   if (p == nullptr && want > need) {
@@ -633,11 +697,13 @@ bool pool::grow_locked(std::size_t size, std::size_t alignment) {
   r->base = reinterpret_cast<std::uintptr_t>(p);
   r->size = want;
   r->index = next_region_index_++;
+  r->zone = static_cast<unsigned char>(zone);
   block* b = new_block_locked();
   b->addr = r->base;
   b->size = want;
   b->prev = b->next = nullptr;
   b->owner = r.get();
+  b->zone = r->zone;
   b->free = true;
   b->backed = !backs_;  // address space only, until blocks carved from it are backed
   r->first = b;
@@ -817,7 +883,7 @@ void pool::free_block_locked(block* b) {
       unlink(next);
       recycle_block_locked(next);
     }
-    raise_largest_locked(size);
+    raise_largest_locked(prev->zone, size);
     rekey_free_locked(prev, prev->addr, size);
   } else if (next != nullptr) {
     const std::uintptr_t addr = b->addr;
@@ -825,7 +891,7 @@ void pool::free_block_locked(block* b) {
     next->backed = next->backed && b->backed;
     unlink(b);
     recycle_block_locked(b);
-    raise_largest_locked(size);
+    raise_largest_locked(next->zone, size);
     rekey_free_locked(next, addr, size);
   } else {
     b->free = true;
@@ -1047,14 +1113,16 @@ void pool::release_all() {
   regions_.clear();
   direct_.clear();
   live_.clear();
-  for (free_set& set : bins_) set.clear();
-  std::fill(std::begin(bin_bits_), std::end(bin_bits_), 0);
-  std::fill(lists_.begin(), lists_.end(), nullptr);
-  std::fill(list_bits_.begin(), list_bits_.end(), 0);
-  std::fill(std::begin(list_mids_), std::end(list_mids_), 0);
-  list_top_ = 0;
-  listed_ = 0;
-  largest_known_ = false;
+  for (free_index& ix : zones_) {
+    for (free_set& set : ix.bins) set.clear();
+    std::fill(std::begin(ix.bin_bits), std::end(ix.bin_bits), 0);
+    std::fill(ix.lists.begin(), ix.lists.end(), nullptr);
+    std::fill(ix.list_bits.begin(), ix.list_bits.end(), 0);
+    std::fill(std::begin(ix.list_mids), std::end(ix.list_mids), 0);
+    ix.list_top = 0;
+    ix.listed = 0;
+    ix.largest_known = false;
+  }
   spare_blocks_.clear();
   block_chunks_.clear();
   reserved_ = draining_ = draining_in_use_ = backed_ = pooled_in_use_ = passthrough_in_use_ = overshoot_in_use_ = batch_in_use_ = 0;
@@ -1067,23 +1135,28 @@ std::size_t pool::in_use_blocks() const {
   return live_.size() + direct_.size();
 }
 
-std::size_t pool::largest_free_locked() const {
-  if (!largest_known_) {
-    const block* b = largest_free_block_locked();
-    largest_size_ = b == nullptr ? 0 : b->size;
-    largest_known_ = true;
+std::size_t pool::largest_free_slow_locked() const {
+  std::size_t largest = 0;
+  for (const free_index& ix : zones_) {
+    if (!ix.largest_known) {
+      const block* b = largest_free_block_locked(ix);
+      ix.largest_size = b == nullptr ? 0 : b->size;
+      ix.largest_known = true;
+    }
+    largest = std::max(largest, ix.largest_size);
   }
-  return largest_size_;
+  return largest;
 }
 
 std::size_t pool::largest_allocatable_locked() const {
   if (limit_ == 0) return upstream_->total_memory();
+  // The large requests' zone: the largest request is one.
   std::size_t releasable = 0;
   for (const auto& r : regions_) {
-    if (r->first->free && r->first->next == nullptr && !r->draining) releasable += r->size;
+    if (r->first->free && r->first->next == nullptr && !r->draining && r->zone == 0) releasable += r->size;
   }
-  const std::size_t counted = reserved_ - draining_;
-  const std::size_t space = space_limit_locked();
+  const std::size_t counted = zone_reserved_locked(0);
+  const std::size_t space = zone_space_locked(0);
   const std::size_t growable =
       counted > space ? 0 : round_down(space - counted + releasable, upstream_->page_size());
   const std::size_t largest = std::max(largest_free_locked(), growable);
@@ -1295,11 +1368,14 @@ bool pool::is_valid(std::string* why) const {
   // The exact lists first: every listed block once, free in a serving region, in the
   // list of its size, linked both ways.
   std::unordered_set<const block*> listed;
-  for (std::size_t n = 0; n < kExact; ++n) {
-    for (const block* x = lists_[n], *before = nullptr; x != nullptr; before = x, x = x->fnext) {
-      if (!x->free || x->owner->draining || (x->size >> granule_shift_) != n || x->at.fprev != before ||
-          !listed.insert(x).second) {
-        return fail("list " + std::to_string(n) + " holds a block that is not free there, or a broken link");
+  for (int z = 0; z < 2; ++z) {
+    for (std::size_t n = 0; n < kExact; ++n) {
+      for (const block* x = zones_[z].lists[n], *before = nullptr; x != nullptr; before = x, x = x->fnext) {
+        if (!x->free || x->owner->draining || (x->size >> granule_shift_) != n || x->at.fprev != before ||
+            x->zone != z || !listed.insert(x).second) {
+          return fail("list " + std::to_string(n) + " of zone " + std::to_string(z) +
+                      " holds a block that is not free there, or a broken link");
+        }
       }
     }
   }
@@ -1317,6 +1393,8 @@ bool pool::is_valid(std::string* why) const {
       if (b->addr != expect) return fail(where + ": blocks do not tile the region");
       if (b->prev != prev) return fail(where + ": broken prev link");
       if (b->owner != r.get()) return fail(where + ": wrong owner");
+      if (b->zone != r->zone) return fail(where + ": not of its region's zone");
+      if (r->zone != 0 && zone_threshold_ == 0) return fail(where + ": in a second zone of a pool without zones");
       if (b->size == 0 || b->size % granule_ != 0 || b->addr % granule_ != 0) {
         return fail(where + ": size or address not a multiple of the granule");
       }
@@ -1336,7 +1414,8 @@ bool pool::is_valid(std::string* why) const {
           // of its size, linked both ways; here that it is listed at all.
           if (listed.count(b) == 0) return fail(where + ": free but not in the list of its size");
         } else if (b->bin != bin_of(b->size) || b->at.where->b != b || b->at.where->size != b->size ||
-                   b->at.where->addr != b->addr || bins_[b->bin].find(*b->at.where) != b->at.where) {
+                   b->at.where->addr != b->addr ||
+                   zones_[b->zone].bins[b->bin].find(*b->at.where) != b->at.where) {
           return fail(where + ": free but not indexed in its bin");
         }
       } else {
@@ -1350,32 +1429,37 @@ bool pool::is_valid(std::string* why) const {
       return fail("region " + std::to_string(r->index) + ": blocks do not cover it to the end");
     }
   }
-  for (unsigned i = 0; i < kBins; ++i) {
-    const bool bit = (bin_bits_[i / 64] >> (i % 64)) & 1;
-    if (bit == bins_[i].empty()) return fail("bin bitmap disagrees with bin " + std::to_string(i));
-    for (const free_key& k : bins_[i]) {
-      if (exact(k.size)) return fail("a tree bin holds a block of an exact size");
+  std::size_t listed_count = 0;
+  for (const free_index& ix : zones_) {
+    for (unsigned i = 0; i < kBins; ++i) {
+      const bool bit = (ix.bin_bits[i / 64] >> (i % 64)) & 1;
+      if (bit == ix.bins[i].empty()) return fail("bin bitmap disagrees with bin " + std::to_string(i));
+      for (const free_key& k : ix.bins[i]) {
+        if (exact(k.size)) return fail("a tree bin holds a block of an exact size");
+        if (&zones_[k.b->zone] != &ix) return fail("a tree bin holds a block of the other zone");
+      }
+    }
+    for (std::size_t n = 0; n < kExact; ++n) {
+      const bool bit = (ix.list_bits[n / 64] >> (n % 64)) & 1;
+      if (bit != (ix.lists[n] != nullptr)) return fail("list bitmap disagrees with list " + std::to_string(n));
+    }
+    for (std::size_t w = 0; w < kExactWords; ++w) {
+      const bool mid = (ix.list_mids[w / 64] >> (w % 64)) & 1;
+      if (mid != (ix.list_bits[w] != 0)) return fail("list bitmap level 1 disagrees at word " + std::to_string(w));
+    }
+    for (std::size_t m = 0; m < kExactMids; ++m) {
+      if (((ix.list_top >> m) & 1) != (ix.list_mids[m] != 0)) return fail("list bitmap level 2 disagrees");
+    }
+    listed_count += ix.listed;
+    if (ix.largest_known) {
+      const block* top = largest_free_block_locked(ix);
+      if (ix.largest_size != (top == nullptr ? 0 : top->size)) {
+        return fail("the kept size of the largest free block is " + std::to_string(ix.largest_size) + ", not " +
+                    std::to_string(top == nullptr ? 0 : top->size));
+      }
     }
   }
-  for (std::size_t n = 0; n < kExact; ++n) {
-    const bool bit = (list_bits_[n / 64] >> (n % 64)) & 1;
-    if (bit != (lists_[n] != nullptr)) return fail("list bitmap disagrees with list " + std::to_string(n));
-  }
-  for (std::size_t w = 0; w < kExactWords; ++w) {
-    const bool mid = (list_mids_[w / 64] >> (w % 64)) & 1;
-    if (mid != (list_bits_[w] != 0)) return fail("list bitmap level 1 disagrees at word " + std::to_string(w));
-  }
-  for (std::size_t m = 0; m < kExactMids; ++m) {
-    if (((list_top_ >> m) & 1) != (list_mids_[m] != 0)) return fail("list bitmap level 2 disagrees");
-  }
-  if (listed.size() != listed_) return fail("the count of listed free blocks is wrong");
-  if (largest_known_) {
-    const block* top = largest_free_block_locked();
-    if (largest_size_ != (top == nullptr ? 0 : top->size)) {
-      return fail("the kept size of the largest free block is " + std::to_string(largest_size_) + ", not " +
-                  std::to_string(top == nullptr ? 0 : top->size));
-    }
-  }
+  if (listed.size() != listed_count) return fail("the count of listed free blocks is wrong");
   if (free_blocks != free_block_count_locked()) return fail("free index holds blocks that are not free");
   if (used_blocks != live_.size()) return fail("live map holds blocks that are not in use");
   if (used != pooled_in_use_) return fail("bytes in use do not match the blocks in use");

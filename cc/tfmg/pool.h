@@ -48,6 +48,17 @@
 // what is in use, rounded to granules, leaves no room. Fragmentation then costs address
 // space, which is free, instead of memory.
 //
+// Zones. Where the upstream backs on demand in granules much larger than many requests
+// (CUDA's 2 MiB), a small block that lands in a hole between large blocks keeps its
+// granule backed after they go, and the budget then counts a granule for a few KiB.
+// With a zone threshold, requests below it take blocks only from regions of their own
+// (address space beside the large requests' regions, as much as the budget), and large
+// requests never take those: the budget is shared, the address space and the free
+// index are not. A small request that its zone cannot serve falls back to the other.
+// On random churn traces of 2 MiB granules this cut the smallest budget that completes
+// (over peak live bytes, eight seeds, benchmarks/NOTES.md "Small blocks in a zone of
+// their own") from 1.087 to 1.065 (2,000 blocks live) and from 1.054 to 1.040 (10,000).
+//
 // Cost. Best fit is three bit scans over the exact-size free lists, or one lookup in a
 // size-ordered tree for blocks of 2^15 granules and more; a free is one hash lookup
 // plus O(1) neighbour checks through the blocks' address links: at most O(log n) per
@@ -92,6 +103,9 @@ struct pool_config {
   // costs the upstream synchronizations (more than 16, and more than one per 1,000
   // allocations): steps that repeat (training) trim for free, random churn does not.
   double trim_above_peak = 0.0;
+  // Requests below this many bytes are served from a zone of their own (regions of
+  // address space only they use); 0: one zone for all. See "Zones" above.
+  std::size_t zone_threshold = 0;
 };
 
 // Thrown by the pool (and turned into statuses by the C API). Carries a message with
@@ -145,6 +159,7 @@ class pool {
   const upstream& source() const { return *upstream_; }
   std::size_t small_threshold() const { return small_threshold_; }
   std::size_t address_factor() const { return address_factor_; }
+  std::size_t zone_threshold() const { return zone_threshold_; }
   std::size_t granule() const { return granule_; }
 
  private:
@@ -183,7 +198,8 @@ class pool {
     bool backed;
     bool batch;                // in use and tagged TFMG_ALLOC_BATCH
     unsigned char kind;        // in use: TFMG_KIND_* of its request
-    unsigned bin;              // while free in a tree bin: its bin, and its place there
+    std::uint16_t bin;         // while free in a tree bin: its bin, and its place there
+    unsigned char zone;        // the zone of its region (index of zones_)
     // A free block is in a tree bin (where: its node) or in an exact list (fprev and
     // fnext: its list neighbours), never both; the two share a word.
     union free_place {
@@ -198,6 +214,7 @@ class pool {
     std::uintptr_t base;
     std::size_t size;
     int index;
+    unsigned char zone = 0;  // 1: the small requests' zone (see "Zones")
     block* first;
     bool draining = false;  // serves no request; released when its last block is freed
   };
@@ -226,37 +243,65 @@ class pool {
   static constexpr std::size_t kExactWords = kExact / 64;   // level 0: one bit per list
   static constexpr std::size_t kExactMids = kExactWords / 64;  // level 1: one bit per word
   bool exact(std::size_t size) const { return (size >> granule_shift_) < kExact; }
-  block* exact_fit_locked(std::size_t n) const;  // first listed block of >= n granules
+  // The free index of one zone: exact lists under their bitmap, tree bins under theirs,
+  // and the kept size of its largest free block.
+  struct free_index {
+    std::vector<block*> lists;                 // kExact heads; index: size in granules
+    std::vector<std::uint64_t> list_bits;      // kExactWords
+    std::uint64_t list_mids[kExactMids] = {};  // bit w: list_bits[w] != 0
+    std::uint64_t list_top = 0;                // bit m: list_mids[m] != 0
+    std::size_t listed = 0;                    // free blocks in the exact lists
+    std::vector<free_set> bins;
+    std::uint64_t bin_bits[kBins / 64] = {};
+    // The size of the largest free block, while largest_known (see below, at zones_).
+    mutable std::size_t largest_size = 0;
+    mutable bool largest_known = false;
+  };
+  // The zone a request takes its block from (see "Zones").
+  int zone_of(std::size_t size) const { return size < zone_threshold_ ? 1 : 0; }
+  block* exact_fit_locked(const free_index& ix, std::size_t n) const;  // first listed block of >= n granules
   static unsigned bin_of(std::size_t size);
+  // Each of these picks the block's zone by a branch, into a copy of the body made for that
+  // zone (the index at a fixed offset): an index computed from the block's zone byte put
+  // a load and a multiply before every list access, 5-7% of the time of a call on the
+  // latency traces (benchmarks/NOTES.md, "Small blocks in a zone of their own").
   void insert_free_locked(block* b);
+  void insert_free_in(free_index& ix, block* b);
   // Changes a free block's place or size in the index. The kept largest size is the
   // caller's (raise_largest_locked, forget_if_largest_locked): in here it cost the
   // compiler's partial inlining of the in-place path, 20 instructions a call.
   void rekey_free_locked(block* b, std::uintptr_t addr, std::size_t size);
+  void rekey_free_in(free_index& ix, block* b, std::uintptr_t addr, std::size_t size);
   // A free block of `size` is indexed: the largest free size is at least that (a stale
   // value, while unknown, is harmless: the next read scans).
-  void raise_largest_locked(std::size_t size) {
-    if (size > largest_size_) largest_size_ = size;
+  void raise_largest_locked(int zone, std::size_t size) { raise_largest_locked(zones_[zone], size); }
+  static void raise_largest_locked(free_index& ix, std::size_t size) {
+    if (size > ix.largest_size) ix.largest_size = size;
   }
   // Free block `b` leaves the index or shrinks: if it was of the largest size, that size
   // is no longer known.
   void forget_if_largest_locked(const block* b) {
-    if (b->size == largest_size_) largest_known_ = false;
+    free_index& ix = zones_[b->zone];
+    if (b->size == ix.largest_size) ix.largest_known = false;
   }
   static void link_after(block* at, block* nb);
   static void link_before(block* at, block* nb);
   static void unlink(block* x);
   void erase_free_locked(block* b);
-  block* largest_free_block_locked() const;  // a scan of the bitmaps from the top
+  void erase_free_in(free_index& ix, block* b);
+  block* largest_free_block_locked(const free_index& ix) const;  // a scan of the bitmaps from the top
   std::size_t free_block_count_locked() const;
 
   // All _locked members require mutex_ held.
-  block* find_fit_locked(std::size_t size, std::size_t alignment, bool small);
+  block* find_fit_locked(int zone, std::size_t size, std::size_t alignment, bool small);
   // Backed on demand, at the budget: the free block (of at least `size`) where a block of
   // `size` needs the fewest granules newly backed, and whether at its low end.
-  block* least_backing_fit_locked(std::size_t size, bool* low);
+  block* least_backing_fit_locked(int zone, std::size_t size, bool* low);
   block* carve_locked(block* b, std::size_t size, std::size_t alignment, bool small);
-  bool grow_locked(std::size_t size, std::size_t alignment);
+  bool grow_locked(std::size_t size, std::size_t alignment, int zone);
+  // Address space of the regions of `zone` that serve, and the most they may take.
+  std::size_t zone_reserved_locked(int zone) const;
+  std::size_t zone_space_locked(int zone) const;
   std::size_t release_unused_locked();
   void drain_region_locked(region* r);
   void free_in_draining_locked(block* b);
@@ -271,7 +316,19 @@ class pool {
   // The part of the budget that pooled blocks may take: the budget less the overshoot
   // in use (which counts against it).
   std::size_t budget_left_locked() const { return limit_ - std::min(limit_, overshoot_in_use_); }
-  std::size_t largest_free_locked() const;
+  // The largest free block's size, of either zone: every allocation reads it, so the case
+  // of kept sizes is inline (a loop over the zones out of line cost 7 instructions an
+  // allocation on churn_2000).
+  std::size_t largest_free_locked() const {
+    const free_index& a = zones_[0];
+    if (zone_threshold_ == 0) {
+      if (a.largest_known) return a.largest_size;
+    } else if (a.largest_known && zones_[1].largest_known) {
+      return std::max(a.largest_size, zones_[1].largest_size);
+    }
+    return largest_free_slow_locked();
+  }
+  std::size_t largest_free_slow_locked() const;
   std::size_t largest_allocatable_locked() const;
   void fill_stats_locked(tfmg_stats* s) const;
   std::string state_locked(std::size_t request = 0) const;
@@ -309,27 +366,21 @@ class pool {
   std::unique_ptr<upstream> upstream_;
   const std::size_t granule_;
   const std::size_t small_threshold_;
+  const std::size_t zone_threshold_;
   const std::size_t first_region_bytes_;
   const unsigned granule_shift_;
-  std::vector<block*> lists_;                 // kExact heads; index: size in granules
-  std::vector<std::uint64_t> list_bits_;      // kExactWords
-  std::uint64_t list_mids_[kExactMids] = {};  // bit w: list_bits_[w] != 0
-  std::uint64_t list_top_ = 0;                // bit m: list_mids_[m] != 0
-  std::size_t listed_ = 0;                    // free blocks in the exact lists
-  // The size of the largest free block, while largest_known_: every allocation reads it
+  // The size of the largest free block, kept per zone while known (free_index): every allocation reads it
   // (the window's tightest fit), and a scan from the top of the bitmaps and the tree's
   // last node cost 52 instructions per allocation on churn_2000, an eighth of the call
   // (benchmarks/NOTES.md, "The largest free block, kept"). A larger block indexed raises
   // it; the block of that size leaving the index or shrinking forgets it (the next read
   // scans again). In a steady churn the largest block is the region's untouched rest,
   // which best fit seldom cuts.
-  mutable std::size_t largest_size_ = 0;
-  mutable bool largest_known_ = false;
+  // (Kept per zone: free_index::largest_size.)
 
   mutable pool_lock mutex_;
   node_arena arena_;  // declared before the containers that use it
-  std::vector<free_set> bins_;
-  std::uint64_t bin_bits_[kBins / 64] = {};
+  free_index zones_[2];  // 0: large requests (all, without zones); 1: small ones
   addr_map<block*> live_;  // block address -> block, for blocks in use
   direct_map direct_;
   std::vector<std::unique_ptr<region>> regions_;

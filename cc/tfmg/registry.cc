@@ -42,6 +42,7 @@ static void apply_environment(tfmg_pool_options* o) {
   if (const char* v = std::getenv("TF_MEMGUARD_TRACE_CAPACITY")) o->trace_capacity = std::strtoull(v, nullptr, 10);
   if (const char* v = std::getenv("TF_MEMGUARD_ADDRESS_FACTOR")) o->address_factor = std::strtoull(v, nullptr, 10);
   if (const char* v = std::getenv("TF_MEMGUARD_TRIM_ABOVE_PEAK")) o->trim_above_peak = std::strtod(v, nullptr);
+  if (const char* v = std::getenv("TF_MEMGUARD_ZONE_THRESHOLD")) o->zone_threshold = std::strtoull(v, nullptr, 10);
   // Host pools: backed on demand by default ("lazy": the budget bounds the bytes backed,
   // not address space); "plain": one region of the budget; "checked": backed on demand
   // with unbacked granules PROT_NONE.

@@ -542,6 +542,83 @@ void test_at_the_budget_free_granules_are_taken_back() {
   CHECK_OK(tfmg_pool_destroy(p, 0));
 }
 
+tfmg_pool* make_zoned_pool(uint64_t budget, uint64_t zone_threshold) {
+  tfmg_pool_options o;
+  tfmg_pool_options_init(&o);
+  o.max_bytes = budget;
+  o.upstream = TFMG_UPSTREAM_HOST_LAZY;
+  o.granule_bytes = 2 * MiB;  // as CUDA virtual memory backs a GPU pool
+  o.alignment = 256;
+  o.trim_above_peak = 0.0;
+  o.zone_threshold = zone_threshold;  // 0: the default (64 KiB for 2 MiB granules), 1: none
+  tfmg_pool* p = nullptr;
+  if (tfmg_pool_create(&o, &p) != TFMG_OK) std::abort();
+  return p;
+}
+
+// Zones: with 2 MiB granules, requests below 64 KiB take blocks from regions of their
+// own. A small request then does not land in a hole between large blocks (where it
+// would keep a granule backed after they go); without zones it does (best fit).
+void test_small_requests_take_a_zone_of_their_own() {
+  constexpr uint64_t K = 1024;
+  for (uint64_t zt : {uint64_t{0}, uint64_t{1}}) {
+    tfmg_pool* p = make_zoned_pool(32 * MiB, zt);
+    tfmg_pool_layout l{};
+    CHECK_OK(tfmg_pool_get_layout(p, &l));
+    CHECK(l.zone_threshold == (zt == 0 ? 64 * K : 0));
+    auto* a = static_cast<char*>(alloc(p, 3 * MiB));
+    void* b = alloc(p, 3 * MiB);
+    CHECK(a != nullptr && b != nullptr);
+    CHECK_OK(tfmg_pool_deallocate(p, a, nullptr));  // a 3 MiB hole below b
+    auto* s = static_cast<char*>(alloc(p, 4 * K));
+    CHECK(s != nullptr);
+    const bool in_hole = s >= a && s < a + 3 * MiB;
+    const bool in_large_zone = s >= a && s < a + 2 * 32 * MiB;  // the region: twice the budget
+    if (zt == 0) {
+      CHECK(!in_large_zone);
+    } else {
+      CHECK(in_hole);
+    }
+    // A request above the threshold, and a small one aligned above the granule, stay
+    // with the large blocks.
+    auto* m = static_cast<char*>(alloc(p, 64 * K));
+    auto* q = static_cast<char*>(alloc(p, 4 * K, 1 * MiB));
+    CHECK(m >= a && m < a + 2 * 32 * MiB && q >= a && q < a + 2 * 32 * MiB);
+    // The budget is shared: what both zones back never passes it.
+    std::vector<void*> smalls;
+    for (int i = 0; i < 1000; ++i) {
+      void* x = alloc(p, 48 * K);
+      if (x == nullptr) break;
+      smalls.push_back(x);
+    }
+    const tfmg_stats t = stats(p);
+    CHECK(t.bytes_reserved <= static_cast<int64_t>(32 * MiB));
+    // Refused at the budget: 32 MiB less the granules under the large blocks (a few MiB).
+    CHECK(smalls.size() > 500 && smalls.size() < 683 && t.num_refusals == 1);
+    CHECK(valid(p));
+    for (void* x : smalls) CHECK_OK(tfmg_pool_deallocate(p, x, nullptr));
+    // The small blocks' granules, free now, are taken back for a large block.
+    void* big = alloc(p, 24 * MiB);
+    CHECK(big != nullptr && stats(p).num_reclaims > 0 && stats(p).bytes_reserved <= static_cast<int64_t>(32 * MiB));
+    if (big != nullptr) std::memset(big, 0x3c, 24 * MiB);  // backed: an unbacked byte faults
+    for (void* x : {static_cast<void*>(s), static_cast<void*>(m), static_cast<void*>(q), b, big}) {
+      CHECK_OK(tfmg_pool_deallocate(p, x, nullptr));
+    }
+    CHECK(valid(p));
+    CHECK(stats(p).bytes_in_use == 0);
+    CHECK_OK(tfmg_pool_destroy(p, 0));
+  }
+  // Random churn at the budget across both zones: blocks written whole, the budget held.
+  tfmg_pool* p = make_zoned_pool(8 * MiB, 0);
+  std::vector<std::pair<void*, uint64_t>> live;
+  int served = 0, refused = 0;
+  churn_at_budget(p, 8 * MiB, 11, &live, &served, &refused);
+  CHECK(served > 1500 && refused > 0);
+  for (auto& x : live) CHECK_OK(tfmg_pool_deallocate(p, x.first, nullptr));
+  CHECK(valid(p));
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
 // trim_above_peak: free granules are taken back before new ones are backed once the
 // bytes backed would pass (1 + trim) x the peak in use, far below the budget.
 void test_trim_keeps_the_backing_near_the_peak() {
@@ -1222,6 +1299,7 @@ int main() {
       {"waiting_requests_are_served_oldest_first", test_waiting_requests_are_served_oldest_first},
       {"threads_waiting_near_the_budget_keep_the_pool_valid", test_threads_waiting_near_the_budget_keep_the_pool_valid},
       {"trace_events_name_their_thread", test_trace_events_name_their_thread},
+      {"small_requests_take_a_zone_of_their_own", test_small_requests_take_a_zone_of_their_own},
   };
   int passed = 0, failed = 0;
   for (const test& t : tests) {
