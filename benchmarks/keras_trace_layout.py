@@ -106,17 +106,20 @@ def stealing(events):
     return peak, steals
 
 
-def on_demand(ops, trim, move=False):
+def on_demand(ops, trim, move=False, zone_threshold=0):
     """The trace through the real pool backed on demand in 2 MiB granules, as a CUDA pool
     (host_on_demand, TF_MEMGUARD_HOST_GRANULE): its own stats, peak_bytes_reserved being
     the peak of bytes backed. move: reclaims move granules as the CUDA upstream does
-    (TF_MEMGUARD_HOST_RETIRE=1); the stats then carry the pool's backing summary."""
+    (TF_MEMGUARD_HOST_RETIRE=1); the stats then carry the pool's backing summary.
+    zone_threshold: 0, one zone (the default); 65536: requests below 64 KiB in a zone of
+    their own."""
     env = {"TF_MEMGUARD_HOST_GRANULE": str(GRANULE)}
     if move:
         env["TF_MEMGUARD_HOST_RETIRE"] = "1"
     os.environ.update(env)
     try:
-        pool = tf_memguard.Pool(max_bytes=8 << 30, alignment=256, upstream="host_on_demand", trim_above_peak=trim)
+        pool = tf_memguard.Pool(max_bytes=8 << 30, alignment=256, upstream="host_on_demand", trim_above_peak=trim,
+                                zone_threshold=zone_threshold)
     finally:
         for k in env:
             del os.environ[k]
@@ -162,6 +165,10 @@ def main():
         s = on_demand(ops, trim)
         row(f"the pool backed on demand (2 MiB granules, as CUDA), trim_above_peak {trim}",
             s["peak_bytes_reserved"], f"{s['num_reclaims']} reclaims, {s['bytes_reclaimed'] >> 20} MiB unmapped")
+    for trim in (0.0, 0.04):
+        s = on_demand(ops, trim, move=trim > 0, zone_threshold=64 << 10)
+        row(f"requests below 64 KiB in a zone of their own, trim {trim}" + (", reclaims moving granules" if trim else ""),
+            s["peak_bytes_reserved"], f"{s['num_reclaims']} reclaims; " + s["describe"].rsplit("; ", 1)[-1])
     for trim in (0.06, 0.04, 0.03, 0.02):
         s = on_demand(ops, trim, move=True)
         row(f"the same, trim {trim}, reclaims moving granules (as the CUDA upstream)", s["peak_bytes_reserved"],

@@ -72,7 +72,8 @@ tfmg_pool* make_pool(uint64_t budget, tfmg_upstream_kind kind) {
   o.max_bytes = budget;
   o.upstream = kind;
   o.device = 0;
-  // TFMG_ZONE_THRESHOLD=1: no zones (the pool before them), for a comparison in one call.
+  // TFMG_ZONE_THRESHOLD=65536: small requests in a zone of their own (off by default), for
+  // a comparison in one call (NOTES, "Small blocks in a zone of their own").
   if (const char* z = std::getenv("TFMG_ZONE_THRESHOLD")) o.zone_threshold = std::strtoull(z, nullptr, 10);
   tfmg_pool* p = nullptr;
   if (tfmg_pool_create(&o, &p) != TFMG_OK) {

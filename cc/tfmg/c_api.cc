@@ -113,15 +113,13 @@ tfmg_status tfmg_pool_create(const tfmg_pool_options* o, tfmg_pool** out) {
     c.small_threshold = std::max(c.small_threshold, 4 * up->page_size());
   }
   c.trim_above_peak = o->trim_above_peak < 0 ? up->default_trim_above_peak() : o->trim_above_peak;
-  if (o->zone_threshold == 0 && up->backs_on_demand() && up->page_size() >= (std::size_t{2} << 20)) {
-    // Small requests in a zone of their own, below a 32nd of a 2 MiB granule: on random
-    // churn traces (eight seeds, host emulation of CUDA's layout), of the thresholds 64 KiB,
-    // 256 KiB and 1 MiB, 64 KiB cut the smallest budget most (benchmarks/NOTES.md, "Small
-    // blocks in a zone of their own"). Smaller granules were not measured: no zones.
-    c.zone_threshold = up->page_size() / 32;
-  } else if (o->zone_threshold > 1) {
-    c.zone_threshold = o->zone_threshold;
-  }
+  // Zones are asked for, never the default: on random churn (2 MiB granules) small
+  // requests below 64 KiB in their own zone cut the smallest budget by 2-4%, but on a real
+  // Keras-on-PyTorch training trace they raised the granules backed from 1.040 to 1.114 of
+  // the peak in use (the trim line, which steps that repeat make free, gave up after 17
+  // synchronizations) and from 1.096 to 1.114 without it (benchmarks/NOTES.md, "Small
+  // blocks in a zone of their own").
+  if (o->zone_threshold > 1) c.zone_threshold = o->zone_threshold;
   try {
     *out = new tfmg_pool(std::move(up), c, o->upstream);
   } catch (const std::bad_alloc&) {

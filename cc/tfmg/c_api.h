@@ -138,9 +138,9 @@ typedef struct tfmg_pool_options {
   uint64_t granule_bytes;
   /* Requests below this many bytes take blocks from a zone of their own (regions only
    * they use), so that small blocks do not keep granules backed among large ones; only
-   * where the upstream backs on demand. 0 picks the default: a 32nd of the backing
-   * granule where that is at least 2 MiB (64 KiB on CUDA virtual memory), else no
-   * zones; 1: no zones. */
+   * where the upstream backs on demand. 0 or 1: no zones (the default). With CUDA's
+   * 2 MiB granules, 65536 cut the smallest budget of random churn by 2-4% but raised
+   * what a real training trace backs (benchmarks/NOTES.md). */
   uint64_t zone_threshold;
 } tfmg_pool_options;
 

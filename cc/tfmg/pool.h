@@ -55,9 +55,10 @@
 // (address space beside the large requests' regions, as much as the budget), and large
 // requests never take those: the budget is shared, the address space and the free
 // index are not. A small request that its zone cannot serve falls back to the other.
-// On random churn traces of 2 MiB granules this cut the smallest budget that completes
-// (over peak live bytes, eight seeds, benchmarks/NOTES.md "Small blocks in a zone of
-// their own") from 1.087 to 1.065 (2,000 blocks live) and from 1.054 to 1.040 (10,000).
+// On random churn traces of 2 MiB granules a threshold of 64 KiB cut the smallest budget
+// that completes (over peak live bytes, eight seeds, benchmarks/NOTES.md "Small blocks
+// in a zone of their own") from 1.087 to 1.065 (2,000 blocks live) and from 1.054 to
+// 1.040 (10,000); on a real training trace it raised what is backed. Off by default.
 //
 // Cost. Best fit is three bit scans over the exact-size free lists, or one lookup in a
 // size-ordered tree for blocks of 2^15 granules and more; a free is one hash lookup

@@ -550,22 +550,22 @@ tfmg_pool* make_zoned_pool(uint64_t budget, uint64_t zone_threshold) {
   o.granule_bytes = 2 * MiB;  // as CUDA virtual memory backs a GPU pool
   o.alignment = 256;
   o.trim_above_peak = 0.0;
-  o.zone_threshold = zone_threshold;  // 0: the default (64 KiB for 2 MiB granules), 1: none
+  o.zone_threshold = zone_threshold;  // 0 (the default) or 1: none
   tfmg_pool* p = nullptr;
   if (tfmg_pool_create(&o, &p) != TFMG_OK) std::abort();
   return p;
 }
 
-// Zones: with 2 MiB granules, requests below 64 KiB take blocks from regions of their
-// own. A small request then does not land in a hole between large blocks (where it
+// Zones: with a threshold of 64 KiB (2 MiB granules), smaller requests take blocks from
+// regions of their own. A small request then does not land in a hole between large blocks (where it
 // would keep a granule backed after they go); without zones it does (best fit).
 void test_small_requests_take_a_zone_of_their_own() {
   constexpr uint64_t K = 1024;
-  for (uint64_t zt : {uint64_t{0}, uint64_t{1}}) {
+  for (uint64_t zt : {64 * K, uint64_t{0}}) {
     tfmg_pool* p = make_zoned_pool(32 * MiB, zt);
     tfmg_pool_layout l{};
     CHECK_OK(tfmg_pool_get_layout(p, &l));
-    CHECK(l.zone_threshold == (zt == 0 ? 64 * K : 0));
+    CHECK(l.zone_threshold == zt);
     auto* a = static_cast<char*>(alloc(p, 3 * MiB));
     void* b = alloc(p, 3 * MiB);
     CHECK(a != nullptr && b != nullptr);
@@ -574,7 +574,7 @@ void test_small_requests_take_a_zone_of_their_own() {
     CHECK(s != nullptr);
     const bool in_hole = s >= a && s < a + 3 * MiB;
     const bool in_large_zone = s >= a && s < a + 2 * 32 * MiB;  // the region: twice the budget
-    if (zt == 0) {
+    if (zt != 0) {
       CHECK(!in_large_zone);
     } else {
       CHECK(in_hole);
@@ -609,7 +609,7 @@ void test_small_requests_take_a_zone_of_their_own() {
     CHECK_OK(tfmg_pool_destroy(p, 0));
   }
   // Random churn at the budget across both zones: blocks written whole, the budget held.
-  tfmg_pool* p = make_zoned_pool(8 * MiB, 0);
+  tfmg_pool* p = make_zoned_pool(8 * MiB, 64 * K);
   std::vector<std::pair<void*, uint64_t>> live;
   int served = 0, refused = 0;
   churn_at_budget(p, 8 * MiB, 11, &live, &served, &refused);
