@@ -260,7 +260,8 @@ class pool {
   };
   // The zone a request takes its block from (see "Zones").
   int zone_of(std::size_t size) const { return size < zone_threshold_ ? 1 : 0; }
-  block* exact_fit_locked(const free_index& ix, std::size_t n) const;  // first listed block of >= n granules
+  // The first listed block of at least n granules.
+  block* exact_fit_locked(const free_index& ix, std::size_t n) const;
   static unsigned bin_of(std::size_t size);
   // Each of these picks the block's zone by a branch, into a copy of the body made for that
   // zone (the index at a fixed offset): an index computed from the block's zone byte put
@@ -370,14 +371,13 @@ class pool {
   const std::size_t zone_threshold_;
   const std::size_t first_region_bytes_;
   const unsigned granule_shift_;
-  // The size of the largest free block, kept per zone while known (free_index): every allocation reads it
-  // (the window's tightest fit), and a scan from the top of the bitmaps and the tree's
-  // last node cost 52 instructions per allocation on churn_2000, an eighth of the call
-  // (benchmarks/NOTES.md, "The largest free block, kept"). A larger block indexed raises
-  // it; the block of that size leaving the index or shrinking forgets it (the next read
-  // scans again). In a steady churn the largest block is the region's untouched rest,
-  // which best fit seldom cuts.
-  // (Kept per zone: free_index::largest_size.)
+  // The size of the largest free block is kept per zone while known
+  // (free_index::largest_size): every allocation reads it (the window's tightest fit),
+  // and a scan from the top of the bitmaps and the tree's last node cost 52 instructions
+  // per allocation on churn_2000, an eighth of the call (benchmarks/NOTES.md, "The
+  // largest free block, kept"). A larger block indexed raises it; the block of that size
+  // leaving the index or shrinking forgets it (the next read scans again). In a steady
+  // churn the largest block is the region's untouched rest, which best fit seldom cuts.
 
   mutable pool_lock mutex_;
   node_arena arena_;  // declared before the containers that use it
