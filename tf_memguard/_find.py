@@ -24,7 +24,7 @@ FIRST_STEPS = 1
 last_steps = []
 
 
-def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, start=None):
+def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, start=None, validation_data=None):
     """The largest batch size whose training step fits the budget, by the memory model.
 
     Short runs of fit(), each step recorded as the pool sees it, with fit()'s own pipeline
@@ -56,6 +56,14 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
             that does not fit, it is halved until its step completes (one step at each
             size tried, not counted in `steps`), and the answer lies below the sizes
             refused.
+        validation_data: the validation arrays the fit() will be given, as for fit():
+            (x_val, y_val) or (x_val, y_val, sample_weight_val). Keras copies them into
+            tensors at the first evaluation and keeps the copy until fit() returns, so
+            the training steps of every epoch after the first run beside it: the answer
+            leaves room for it (on TensorFlow; on Keras' torch and JAX backends the
+            arrays stay in host memory, outside the budget). Defaults to None. With
+            validation_split, pass x and y whole: Keras' copies of the two parts add up
+            to one of the arrays, for which the room is kept anyway.
 
     On Keras' JAX backend no step is run: the train step XLA compiles at a batch size
     gives its memory (memory_analysis()), and the answer is the largest size whose
@@ -70,9 +78,9 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     the answer if it fits.
 
     Raises:
-        ValueError: the model is not compiled, there is no budget, x is empty, or x is
-            not arrays (a tf.data dataset, a generator, a PyDataset: their batches are
-            their own).
+        ValueError: the model is not compiled, there is no budget, x is empty, or x
+            or validation_data is not arrays (a tf.data dataset, a generator, a
+            PyDataset: their batches are their own).
         tf_memguard.OutOfBudgetError: not even the first batch size tried fits (`start`
             given), or not even a batch of 1 (`start` left to its default), or the batch
             size the model's inputs fix; the message says which budget would.
@@ -93,6 +101,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
                 "generator or PyDataset fixes "
                 "its own batches. Pass the arrays, or train on the dataset with MemGuardCallback, whose warning "
                 "and report name the batch size that fits")
+    val = _validation_arrays(validation_data)
     n = num_samples(x)
     if n < 1:
         raise ValueError("find_batch_size(x=...): x holds no samples")
@@ -124,11 +133,17 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     # (On Keras' torch backend the arrays stay on the host: no copy in the pool.)
     copies = [-(-fed_nbytes(a) // align) * align for a in _arrays((x, y))] \
         if _backend.framework() == "tensorflow" else []
+    # The validation arrays' copy, made at the first evaluation, is live at the steps of
+    # every epoch after it (benchmarks/NOTES.md, "find_batch_size and the validation
+    # arrays"): room for it too. (The short runs have no validation: nothing to take out.)
+    val_copies = [-(-fed_nbytes(a) // align) * align for a in _arrays(val)] \
+        if _backend.framework() == "tensorflow" else []
 
     def steps_at(size, steps):
         trace = fit_steps(model, x, y, size, recorder, steps=steps)
         return without_blocks(trace, copies, kind="input") if trace is not None else None
-    room = budget - sum(copies)
+    held = sum(copies) + sum(val_copies)
+    room = budget - held
     first_steps = FIRST_STEPS
     # fit() at the answer runs epochs over the arrays, whose prepared batches they bound.
     epoch = epoch_of(x, y, n) if _backend.framework() == "tensorflow" else None
@@ -151,7 +166,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
             snapshot.restore()
         if first is None or not first.complete:
             m = StepModel.build(first, None) if first is not None else None
-            need = f"; it needs more than {format_bytes(m.need(b1)['peak_account'] + sum(copies))}" if m else ""
+            need = f"; it needs more than {format_bytes(m.need(b1)['peak_account'] + held)}" if m else ""
             if fixed is not None:
                 raise _core.OutOfBudgetError(
                     f"find_batch_size: the model's inputs fix the batch size at {fixed} (keras.Input(batch_shape="
@@ -244,14 +259,14 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         if fixed is not None and size < fixed:
             raise _core.OutOfBudgetError(
                 f"find_batch_size: the model's inputs fix the batch size at {fixed} (keras.Input(batch_shape=...)), "
-                f"the only one it can run; its step ran, but with room for Keras' copy of the data "
-                f"({format_bytes(sum(copies))}) it does not fit the {format_bytes(budget)} budget; pass a larger "
-                f"max_bytes")
+                f"the only one it can run; its step ran, but with room for Keras' copy of the data"
+                f"{_copies_of(val)} ({format_bytes(held)}) it does not fit the {format_bytes(budget)} "
+                f"budget; pass a larger max_bytes")
         if size < 1:
             raise _core.OutOfBudgetError(
                 f"find_batch_size: a batch of {good.batch_size} ran, but not even a batch of 1 fits the "
-                f"{format_bytes(budget)} budget with room for Keras' copy of the data "
-                f"({format_bytes(sum(copies))}); pass a larger max_bytes")
+                f"{format_bytes(budget)} budget with room for Keras' copy of the data{_copies_of(val)} "
+                f"({format_bytes(held)}); pass a larger max_bytes")
     finally:
         abort_all()
         snapshot.restore()
@@ -260,6 +275,24 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         if budget != previous and previous:
             pool.set_limit(previous)
     return max(1, int(size))
+
+
+def _validation_arrays(data):
+    """The arrays of find_batch_size's `validation_data` (a list, empty for None)."""
+    import keras
+    if data is None:
+        return []
+    leaves = [a for a in keras.tree.flatten(data) if a is not None] if isinstance(data, (tuple, list)) else []
+    if not leaves or not all(is_sliceable(a) for a in leaves):
+        raise ValueError(
+            f"find_batch_size(validation_data=<{type(data).__name__}>): takes the validation arrays as fit() "
+            "does, (x_val, y_val) or (x_val, y_val, sample_weight_val), numpy arrays or tensors; for a dataset, "
+            "train with MemGuardCallback, whose advice counts what the run holds")
+    return leaves
+
+
+def _copies_of(val):
+    return " and of the validation arrays" if val else ""
 
 
 def _arrays(data):
