@@ -87,6 +87,13 @@ class StepTrace:
         g = int(self.layout.get("page_bytes", 0) or 0) if self.layout.get("backs_on_demand", True) else 0
         return granule_footprint(self.start_address, self.start_size, self.op, self.size, self.address, g)
 
+    def carries_batch(self):
+        """Whether a block of the step's own was tagged batch-shaped (TensorFlow's glue tags
+        each kernel allocation whose first dimension is the size profiled). A step at that
+        size makes its batch's activations: one without a tagged block ran another size
+        (a PyDataset's batches, which fit() shuffles, put its short batch anywhere)."""
+        return bool(np.any((self.op != _FREE) & ((self.flags & _BATCH) != 0)))
+
     # -- the step as replay ops --------------------------------------------------------
 
     def allocations(self):

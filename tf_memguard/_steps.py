@@ -165,9 +165,11 @@ class StepSampler:
         if which == "template":
             s = self.pool.stats()
             peak = s["window_peak_bytes_in_use"]
+            trace = self.recorder.end(True)
+            if trace is not None and not self._at_size(trace):
+                return
             self._alike.setdefault((self._began, int(s["batch_bytes_in_use"])), []).append(int(peak))
             self._model = None   # a step more may change the order gap (order_bytes)
-            trace = self.recorder.end(True)
             if trace is None:
                 return
             footprint = trace.footprint()
@@ -183,15 +185,24 @@ class StepSampler:
                     self._model = None
         elif which == "other":
             trace = self.recorder.end(True)
-            if trace is not None:
+            if trace is not None and self._at_size(trace):
                 self.other = trace
                 self._model = None
             self._profile(self.b0)
         else:
             trace = self.recorder.end(True)
-            if trace is not None:
+            if trace is not None and self._at_size(trace):
                 self.first = trace
                 self._model = None
+
+    def _at_size(self, trace):
+        """Whether `trace` is a step at the size it was recorded for: on TensorFlow, one that
+        made blocks of that batch size (StepTrace.carries_batch). A PyDataset's batches come
+        in the order fit() shuffles them to: a CNN's PyDataset of 2,048 samples at 400 under
+        256 MiB ran its batch of 48 first, recorded as the first step at 400 (its peak 51
+        MiB), and after the OOM in the next step the advice named 373, which ran out in 2 of
+        2 fresh processes (limit about 260). (PyTorch's glue sees no shapes: taken as is.)"""
+        return not self.tf or trace.carries_batch()
 
     def epoch_end(self, epoch, model):
         """After the first epoch: the second size, if fit() ran none and it matters."""
