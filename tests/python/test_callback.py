@@ -795,6 +795,115 @@ def test_a_suggestion_to_confirm_is_read_once_and_the_report_keeps_no_model_aliv
     assert "not confirmed by a step (the model is gone)" in d["gone"], d
 
 
+def test_find_batch_size_keeps_room_for_the_validation_arrays_it_is_given():
+    # Keras copies fit()'s validation arrays into tensors at the first evaluation and keeps
+    # the copy until fit() returns: the second epoch's steps run beside it. Without the
+    # validation arrays the answer is for a fit() without them, and with 48 MiB of them
+    # under 128 MiB it ran out in the second epoch (as a CNN of the sweep of 2026-12-06 did:
+    # 220 named under 256 MiB beside 150 MiB of validation images, 84 the most that trains).
+    r = run(SETUP, """
+        tf_memguard.install(max_bytes="128MiB")
+        xv, yv = pattern_images(4096, seed=1)
+        m = make()
+        plain = tf_memguard.find_batch_size(m, x, y)
+        size = tf_memguard.find_batch_size(m, x, y, validation_data=(xv, yv))
+        def two_epochs(b):
+            try:
+                m.fit(x, y, batch_size=b, epochs=2, verbose=0, validation_data=(xv, yv))
+                return True
+            except tf.errors.ResourceExhaustedError:
+                return False
+        trained = two_epochs(size)
+        gc.collect()
+        plain_trained = two_epochs(plain)
+        gc.collect()
+        errors = []
+        for bad in (tf.data.Dataset.from_tensor_slices((xv, yv)).batch(64), "xv"):
+            try:
+                tf_memguard.find_batch_size(m, x, y, validation_data=bad)
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        s = tf_memguard.stats()
+        emit(plain=plain, size=size, trained=trained, plain_trained=plain_trained, errors=errors,
+             val_bytes=xv.nbytes + yv.nbytes, reserved=s["peak_bytes_reserved"], limit=s["bytes_limit"])
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["trained"] is True, d
+    # The room for the copy: the answer is smaller by what the copy would hold.
+    assert d["val_bytes"] > 40 << 20 and d["size"] < d["plain"], d
+    # What the answer without them costs in that fit(): it runs out.
+    assert d["plain_trained"] is False, d
+    assert all(e is not None and e.startswith("find_batch_size(validation_data=<") and "(x_val, y_val)" in e
+               for e in d["errors"]), d
+    assert d["reserved"] <= d["limit"], d
+
+
+def test_a_pydatasets_short_batch_first_is_not_taken_for_a_step_at_its_batch_size():
+    # fit() shuffles a PyDataset's batches, so its short batch can come first. Recorded as
+    # the first step at the batch size, its small peak made the model say the size fits;
+    # after the OOM in the next step the advice named 373 for a CNN at 400 under 256 MiB,
+    # which ran out in 2 of 2 fresh processes (sweep of 2026-12-06). Here the batches are
+    # 900 and 124 (900 runs out), and the short one comes first: a callback after
+    # MemGuardCallback (which has read the batch size, 900, from the first batch) swaps them
+    # as fit()'s shuffle can.
+    r = run(SETUP, """
+        tf_memguard.install(max_bytes="128MiB")
+        m = make()
+
+        class Batches(keras.utils.PyDataset):
+            def __init__(self, size):
+                super().__init__()
+                self.bounds = list(range(0, len(x), size)) + [len(x)]
+                self.order = list(range(len(self)))
+
+            def __len__(self):
+                return len(self.bounds) - 1
+
+            def __getitem__(self, i):
+                i = self.order[i]
+                return x[self.bounds[i]:self.bounds[i + 1]], y[self.bounds[i]:self.bounds[i + 1]]
+
+        data = Batches(900)
+
+        class Swap(keras.callbacks.Callback):
+            def on_train_begin(self, logs=None):
+                data.order.reverse()
+
+        cb = tf_memguard.MemGuardCallback(verbose=0)
+        try:
+            m.fit(data, epochs=1, shuffle=False, verbose=0, callbacks=[cb, Swap()])
+            oom = False
+        except tf.errors.ResourceExhaustedError:
+            oom = True
+        first = cb._sampler.first
+        gc.collect()
+        rep = tf_memguard.report()
+        size = rep.suggested_batch_size
+        trained = None
+        if size:
+            try:
+                m.fit(Batches(size), epochs=1, verbose=0)
+                trained = True
+            except tf.errors.ResourceExhaustedError:
+                trained = False
+        s = tf_memguard.stats()
+        emit(oom=oom, size=size, trained=trained, advice=rep.advice, first=first is not None, b0=cb._sampler.b0,
+             reserved=s["peak_bytes_reserved"], limit=s["bytes_limit"])
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["oom"] is True and d["b0"] == 900, d
+    # The short step is not the first step at 900: nothing recorded at 900 completed.
+    assert d["first"] is False, d
+    # No size named that runs out (none here: a PyDataset cannot be run at other sizes),
+    # and the advice says to reduce the batch size.
+    assert not d["size"] or d["trained"] is True, d
+    assert "Reduce the batch size" in d["advice"], d
+    assert d["reserved"] <= d["limit"], d
+
+
 def test_find_batch_size_refuses_a_dataset_with_a_clear_error_and_changes_nothing():
     # A batched dataset has a length (its batches) and was taken for 10 samples: the
     # answer was 10, meaningless; an infinite one raised TypeError("The dataset is infinite").
