@@ -137,7 +137,8 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
                                         steps_per_epoch=(self.params or {}).get("steps"),
                                         x=x if arrays else None, y=y if arrays else None,
                                         own_epochs=fit_args.get("steps_per_epoch") is None,
-                                        dataset=x if _fit_args.is_dataset(x) else None,
+                                        dataset=x if _fit_args.is_dataset(x) or _fit_args.is_py_dataset(x)
+                                        else None,
                                         validation=_fit_args.validation_arrays(fit_args),
                                         partial=_fit_args.dataset_partial_batch(x)
                                         if _fit_args.is_dataset(x) and self.batch_size is None else None,

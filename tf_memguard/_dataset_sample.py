@@ -1,5 +1,7 @@
-"""After an out-of-memory error in a fit() on a tf.data dataset: a sample of its batches as
-arrays, for the short fit() runs that work out the batch size that fits.
+"""After an out-of-memory error in a fit() on a tf.data dataset or a keras.utils.PyDataset: a
+sample of its batches as arrays, for the short fit() runs that work out the batch size
+that fits. (A PyDataset's batches are taken by index, from the first: fit()'s shuffle of
+their order is its own.)
 
 The short runs need data they can batch at any size, and a dataset fixes its own
 batches. Its first batches, taken through the whole pipeline (every map, before and
@@ -29,7 +31,12 @@ def sample_arrays(dataset, samples):
     when it yields none, or not arrays with a batch dimension."""
     import keras
     got, n = [], 0
-    for batch in dataset.take(samples):  # a batch has a sample at least
+    if isinstance(dataset, keras.utils.PyDataset):
+        count = dataset.num_batches
+        batches = (dataset[i] for i in range(samples if count is None else min(count, samples)))
+    else:
+        batches = dataset.take(samples)  # a batch has a sample at least
+    for batch in batches:
         arrays = keras.tree.map_structure(_host, batch)
         leaves = keras.tree.flatten(arrays)
         if not leaves or any(a.ndim == 0 for a in leaves):

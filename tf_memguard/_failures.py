@@ -188,14 +188,20 @@ class FailureHandling:
         report.suggestion_method = suggestion.method if suggestion else ""
         report.advice = _advice.advice_sentence(suggestion, self._run_batch) if suggestion else ""
         if report.advice and self._sampler.data.from_dataset and not suggestion.fits_none:
-            how = _fit_args.dataset_batch_method(self._sampler.data.dataset())
-            report.advice += f" The dataset fixes its own batches: build it with .{how}({suggestion.batch_size})."
+            dataset = self._sampler.data.dataset()
+            if _fit_args.is_py_dataset(dataset):
+                report.advice += (f" The PyDataset makes its own batches: make them of {suggestion.batch_size} "
+                                  "samples.")
+            else:
+                how = _fit_args.dataset_batch_method(dataset)
+                report.advice += f" The dataset fixes its own batches: build it with .{how}({suggestion.batch_size})."
+            del dataset
         elif suggestion is None and self._sampler.data.dataset_gone():
             report.advice = ("No batch size was worked out: the dataset given to fit() is gone (nothing kept a "
                              "reference to it), and its batches are what the short runs are made of. Keep it in a "
                              "variable for the suggestion.")
         elif suggestion is None:
-            # (A generator or PyDataset, or runs that failed: the warnings say which.) The report must say why it names nothing.
+            # (A generator, or runs that failed: the warnings say which.) The report must say why it names nothing.
             _no_size(report, self._run_batch)
         report.memory_model = model.to_dict() if model is not None else report.memory_model
 
@@ -285,7 +291,7 @@ class FailureHandling:
 def _no_size(report, running):
     """`report` says that no batch size was worked out after the out-of-memory error, and why."""
     report.advice = (f"No batch size was worked out after the out-of-memory error: no short run of fit() at a smaller "
-                     f"size completed on this data (arrays or tensors, or a tf.data dataset of them, can be run at "
-                     f"other sizes; a generator or a PyDataset cannot), and the steps recorded at one "
+                     f"size completed on this data (arrays or tensors, or a sample of a tf.data dataset's or a PyDataset's "
+                     f"batches, can be run at other sizes; a generator cannot), and the steps recorded at one "
                      f"size do not tell which smaller size fits. Reduce the batch size (now {running}).")
     report.suggestion_method = "none: no short run of fit() completed after the out-of-memory error"

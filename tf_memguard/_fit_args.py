@@ -95,6 +95,13 @@ def is_dataset(data):
     return tf is not None and isinstance(data, tf.data.Dataset)
 
 
+def is_py_dataset(data):
+    """True for a keras.utils.PyDataset."""
+    import sys
+    keras = sys.modules.get("keras")  # a PyDataset exists only if Keras was imported
+    return keras is not None and isinstance(data, keras.utils.PyDataset)
+
+
 def batch_size(fit_args):
     """fit()'s batch size: its argument for arrays or tensors (Keras' default of 32 when None), else a
     tf.data dataset's static batch dimension, else the size its batch() was given, else a
