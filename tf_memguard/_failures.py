@@ -291,7 +291,7 @@ class FailureHandling:
 def _no_size(report, running):
     """`report` says that no batch size was worked out after the out-of-memory error, and why."""
     report.advice = (f"No batch size was worked out after the out-of-memory error: no short run of fit() at a smaller "
-                     f"size completed on this data (arrays or tensors, or a sample of a tf.data dataset's or a PyDataset's "
-                     f"batches, can be run at other sizes; a generator cannot), and the steps recorded at one "
-                     f"size do not tell which smaller size fits. Reduce the batch size (now {running}).")
+                     f"size completed on this data (arrays or tensors, or a sample of a tf.data dataset's or a "
+                     f"PyDataset's batches, can be run at other sizes; a generator cannot), and the steps recorded at "
+                     f"one size do not tell which smaller size fits. Reduce the batch size (now {running}).")
     report.suggestion_method = "none: no short run of fit() completed after the out-of-memory error"
