@@ -417,17 +417,18 @@ def test_fit_steps_whose_small_blocks_touched_more_granules_than_the_template_wi
     pool = make_pool()
     sampler = StepSampler(pool, 64)
     sampler.epoch_begin(0)
+    # (Each step's largest block batch-shaped, as a step at its batch size makes them.)
     sampler.step_begin(0, 0)
-    pool.free(pool.allocate(MiB, kind="kernel"))
+    pool.free(pool.allocate(MiB, batch=True, kind="kernel"))
     sampler.step_end(0, 0)
     sampler.step_begin(0, 1)
-    pool.free(pool.allocate(3 * MiB, kind="kernel"))
+    pool.free(pool.allocate(3 * MiB, batch=True, kind="kernel"))
     sampler.step_end(0, 1)
     sampler.step_begin(0, 2)
     small = [pool.allocate(32 << 10, kind="kernel") for _ in range(64)]
     for a in small[::2]:
         pool.free(a)
-    pool.free(pool.allocate(3 * MiB // 2, kind="kernel"))
+    pool.free(pool.allocate(3 * MiB // 2, batch=True, kind="kernel"))
     for a in small[1::2]:
         pool.free(a)
     sampler.step_end(0, 2)
@@ -550,6 +551,30 @@ def test_on_kerass_torch_backend_a_model_keeps_room_for_two_earlier_batches(monk
     assert _recording.stale_batches(x, y, 10) is None
 
 
+def test_a_step_without_blocks_of_its_batch_size_is_not_taken_for_one():
+    # fit() shuffles a PyDataset's batches: its short batch can run where a step at the
+    # batch size is recorded. Such a step makes no block of that size (TensorFlow's glue
+    # tags those whose first dimension is the size profiled): it is neither the first
+    # step nor the template, nor one of the alike steps' peaks.
+    from tf_memguard._steps import StepSampler
+    pool = make_pool()
+    sampler = StepSampler(pool, 64)
+    sampler.epoch_begin(0)
+    sampler.step_begin(0, 0)
+    pool.free(pool.allocate(MiB, kind="kernel"))          # a short batch's step: untagged
+    sampler.step_end(0, 0)
+    assert sampler.first is None and sampler.model() is None
+    sampler.step_begin(0, 1)
+    pool.free(pool.allocate(2 * MiB, batch=True, kind="kernel"))
+    sampler.step_end(0, 1)
+    sampler.step_begin(0, 2)
+    pool.free(pool.allocate(5 * MiB, kind="kernel"))      # higher, but not a step at 64
+    sampler.step_end(0, 2)
+    assert sampler.template is not None and sampler.template.carries_batch()
+    assert sampler.template_peak < 5 * MiB + 4 * MiB      # (4 MiB of weights)
+    assert sum(len(v) for v in sampler._alike.values()) == 1
+
+
 def test_a_step_recorded_after_the_model_was_read_updates_its_order_gap():
     # The callback reads the model at an epoch's end (the near-budget warning); steps
     # recorded after it must still count: a third alike step, lower than the template
@@ -561,7 +586,7 @@ def test_a_step_recorded_after_the_model_was_read_updates_its_order_gap():
     for i, mib in enumerate([1, 3, 2, 1]):
         pool.reset_peak()   # the monitor's window, one a step
         sampler.step_begin(0, i)
-        pool.free(pool.allocate(mib * MiB, kind="kernel"))
+        pool.free(pool.allocate(mib * MiB, batch=True, kind="kernel"))   # batch-shaped, as a step's are
         sampler.step_end(0, i)
         if i == 2:
             assert sampler.model().models[0].order_bytes == 0   # 3 and 2: fewer than three
