@@ -143,7 +143,8 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
                                         partial=_fit_args.dataset_partial_batch(x)
                                         if _fit_args.is_dataset(x) and self.batch_size is None else None,
                                         collective=self._cluster is not None)
-        self._epoch = 0
+        self._epoch = 0           # of this fit(): one resumed with initial_epoch=5 begins at Keras' 5
+        self._first_epoch = None  # (whose first epochs the sampler would not have recorded)
         self._warned = False
         self._oom = None
         self._suggestion = None
@@ -175,10 +176,11 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
             return self._xla_epoch_begin(epoch)
         if not self._active:
             return
-        self._epoch = epoch
+        self._first_epoch = epoch if self._first_epoch is None else self._first_epoch
+        self._epoch = epoch - self._first_epoch
         self._monitor.epoch_begin(epoch)
         if self._sampler:
-            self._sampler.epoch_begin(epoch)
+            self._sampler.epoch_begin(self._epoch)
 
     def on_train_batch_begin(self, batch, logs=None):
         if not self._active:
@@ -211,7 +213,7 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
             return self._xla_epoch_end(epoch, logs)
         record = self._monitor.epoch_end(epoch, logs, self._talks()) if self._active else None
         if self._active and self._sampler:
-            self._sampler.epoch_end(epoch, self.model)
+            self._sampler.epoch_end(self._epoch, self.model)
             # A size that ran its epochs within the budget fits, whatever the margins say.
             ran = self._run_batch if self._monitor.peak() <= self._budget else 0
             self._suggestion = self._suggest(at_least=ran) or self._suggestion

@@ -903,6 +903,30 @@ def test_a_pydatasets_short_batch_first_is_not_taken_for_a_step_at_its_batch_siz
     assert d["reserved"] <= d["limit"], d
 
 
+def test_a_fit_resumed_at_an_initial_epoch_is_recorded_and_advised():
+    # fit(..., initial_epoch=3, epochs=5), as a run resumed from a checkpoint does: Keras'
+    # epochs are 3 and 4, and the sampler, which records a fit()'s first two epochs, took
+    # them for later ones: nothing was recorded and no size named.
+    r = run(SETUP, """
+        tf_memguard.install(max_bytes="128MiB")
+        m = make()
+        cb = tf_memguard.MemGuardCallback(verbose=0)
+        m.fit(x, y, batch_size=64, epochs=5, initial_epoch=3, verbose=0, callbacks=[cb])
+        rep = tf_memguard.report()
+        size = rep.suggested_batch_size
+        try:
+            m.fit(x, y, batch_size=size, epochs=2, verbose=0)
+            trained = True
+        except tf.errors.ResourceExhaustedError:
+            trained = False
+        emit(size=size, method=rep.suggestion_method, epochs=[e.epoch for e in rep.epochs], trained=trained)
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["epochs"] == [4, 5], d   # the report numbers them as Keras' logs do
+    assert d["size"] and d["size"] > 64 and "steps at 64" in d["method"] and d["trained"] is True, d
+
+
 def test_find_batch_size_refuses_a_dataset_with_a_clear_error_and_changes_nothing():
     # A batched dataset has a length (its batches) and was taken for 10 samples: the
     # answer was 10, meaningless; an infinite one raised TypeError("The dataset is infinite").
