@@ -13,7 +13,7 @@ import keras
 from tf_memguard import _advice, _backend, _confirm, _dead_models, _fit_args, _guard, _install, _monitor, _recording, _report, \
     _workers
 from tf_memguard._errors import budget_exceeded_error
-from tf_memguard._failures import FailureHandling
+from tf_memguard._failures import FailureHandling, collect_after_failure
 from tf_memguard._inference import EvaluationGuard
 from tf_memguard._steps import StepSampler
 from tf_memguard._units import format_bytes
@@ -46,8 +46,9 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
     out-of-memory error (ResourceExhaustedError, torch.OutOfMemoryError) gets a note: the
     request, the budget, what holds the memory, the largest free block, and the batch
     size that fits (or that none does, and which budget would); the model stays usable.
-    Call ``gc.collect()`` before retrying: the failed fit()'s batches stay in the pool
-    until the exception is collected. A step of fit()'s validation, or of evaluate() or
+    The failed fit()'s batches stay in the pool until the exception is collected: a
+    retry given MemGuardCallback collects them at its start (else call ``gc.collect()``
+    after the except block). A step of fit()'s validation, or of evaluate() or
     predict() given the callback, that does not fit gets the note too, with the largest
     validation_batch_size or batch_size of that step that fits (tf_memguard/_inference.py).
 
@@ -114,6 +115,7 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
             return self._xla_train_begin()
         self._device = _install.resolve_device(self.device)
         _recording.abort_all()  # a run interrupted before this one left nothing switched on
+        collect_after_failure()  # the data of a run that failed before this one, out of the pool
         cluster = _workers.cluster_of(self.model)
         self._cluster = _workers.ClusterRecord(cluster) if cluster is not None else None
         self._active = self._check_serving()

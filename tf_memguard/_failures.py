@@ -2,11 +2,11 @@
 suggestion worked out from steps of its own once the failed fit()'s data is out of the
 pool), a constant the pool refused turned into that error, a run over the budget through
 requests that cannot be refused stopped, and anything left switched on put back."""
-import dataclasses
+import gc
 import warnings
 import weakref
 
-from tf_memguard import _advice, _after_oom, _backend, _core, _fit_args, _guard, _oom, _workers
+from tf_memguard import _advice, _after_oom, _backend, _core, _fit_args, _guard, _oom, _overshoot_check, _workers
 from tf_memguard._errors import budget_exceeded_error
 from tf_memguard._units import format_bytes
 
@@ -14,10 +14,21 @@ from tf_memguard._units import format_bytes
 # within this (the budget-integrity tests' bound): more means the failed fit()'s data is
 # still held.
 HELD_AFTER_FAILURE = 1 << 20
-# Short runs (one step each) at most after a run stopped for a step granted over the
-# budget: the size named, then smaller ones where it was granted over too (as
-# _confirm.CONFIRM_RUNS above the running size).
-CHECK_RUNS = 3
+# Whether a run ended by an exception since the last collect_after_failure().
+_failed = [False]
+
+
+def collect_after_failure():
+    """gc.collect() where a run ended by an exception since the last call: the failed
+    fit()'s data (Keras' copy of the arrays, its prepared batches) stays in the pool until
+    the exception's frames, a reference cycle, are collected, and a retry would hold both
+    (the README's CNN with jit_compile=True under 48 MiB, stopped at 512: the first retry
+    at 26 peaked at 37.3 and 49.9 MB in two processes without this, the failed run's
+    12 MiB copy held beside its own in the second; 32.4, 19.9 and 32.4 MB in three with
+    it; one at 27 in CI went 245 KiB over)."""
+    if _failed[0]:
+        _failed[0] = False
+        gc.collect()
 
 
 def _after_oom_resolver(callback):
@@ -47,6 +58,7 @@ class FailureHandling:
 
     def _end_abruptly(self):
         """A run ended by an exception (KeyboardInterrupt too): nothing stays switched on."""
+        _failed[0] = True
         if self._sampler:
             self._sampler.train_end()
         _core.set_profile_batch(0)
@@ -112,6 +124,7 @@ class FailureHandling:
         return True
 
     def _explain_oom(self, error):
+        _failed[0] = True
         refusal_now = self._pool.stats()["num_refusals"] > self._start["num_refusals"]
         if self._explain_told(error, refused_here=refusal_now, oom=True):  # another worker ran out first
             return
@@ -205,65 +218,6 @@ class FailureHandling:
             _no_size(report, self._run_batch)
         report.memory_model = model.to_dict() if model is not None else report.memory_model
 
-    def _checked_below(self, suggestion, kind):
-        """`suggestion`, below the running size after a step granted over the budget, as
-        short runs show it: one step at it, and where that step too was granted over the
-        budget, the model with that step added names a smaller size (CHECK_RUNS at most).
-        A model of steps at the running size and half of it, scaled far below them, misses
-        what the compiled step holds whatever its size: the README's CNN with
-        jit_compile=True under 48 MiB, stopped at 512, was named 42, whose step peaked at
-        57.7 MiB. The answer is a size whose step ran within the budget, or the last one
-        named, its method saying so."""
-        from tf_memguard._memory_model import StepModel, StepModels
-        sampler, model = self._sampler, self._sampler.model()
-        base = sampler.template or sampler.first
-        size, tried = suggestion.batch_size, []
-        if size < 1 or size >= sampler.b0 or not sampler.data.usable or \
-                not sampler.data.sample_dataset(sampler.b0):
-            return suggestion   # nothing to check, or no arrays nor a dataset to sample them from
-        # With room for Keras' copy of the arrays, which the retry may hold and the short run
-        # may not (a numpy array aligned as TensorFlow wants is taken without a copy): on
-        # the CNN at 42 the step ran within the budget in one process and its retry went
-        # 9.7 MiB over (the copy is 12 MiB).
-        copies = sum(sampler.data.copy_sizes())
-        limit = max(self._budget - copies, 1)
-        for _ in range(CHECK_RUNS):
-            if size < 1 or (sampler.data.n or 0) < size:
-                break
-            before = self._pool.stats()["overshoots_by_kind"][kind]
-            if copies:
-                self._pool.set_limit(limit)
-            try:
-                trace = sampler.short_fit(self.model, size, all_samples=True, steps=1)
-            finally:
-                if copies:
-                    self._pool.set_limit(self._budget)
-            if trace is None and not tried:
-                return suggestion   # no short run could be made: not checked
-            over = self._pool.stats()["overshoots_by_kind"][kind] > before or \
-                (trace is not None and trace.granted_over(kind))
-            if trace is not None and trace.complete and not over:
-                method = suggestion.method + (f"; steps at {', '.join(map(str, tried))} were granted over the budget"
-                                              if tried else "") + f"; a step at {size} ran within the budget"
-                return dataclasses.replace(suggestion, batch_size=int(size), method=method)
-            tried.append(size)
-            if trace is not None and base is not None:
-                model = StepModels([model, StepModel.build(trace, base, epoch=sampler.data.epoch, fresh=False)])
-            nxt = min(model.largest_fitting(self._budget, at_most=size - 1), size - 1)
-            peak = int(getattr(trace, "observed_peak", 0) or 0) if trace is not None else 0
-            if peak > limit:
-                # At most in proportion to how far over the step went: the model with the
-                # step added had named one less each time on the CNN (42, 41, 40, then 39,
-                # which went over again); a step's fixed part makes this still too many,
-                # by less each time.
-                nxt = min(nxt, size * limit // peak)
-            size = nxt
-        size = max(size, 0)
-        method = suggestion.method + f"; steps at {', '.join(map(str, tried))} were granted over the budget" + \
-            (", and this one was not run" if size else ", and no smaller size fits by the model")
-        one = max(model.budget_for(1), self._budget + (1 << 20)) if size == 0 else 0
-        return dataclasses.replace(suggestion, batch_size=int(size), method=method, one_sample_bytes=int(one))
-
     def _stop_for_overshoot(self, kind, stats):
         granted = stats["overshoot_bytes_by_kind"][kind] - self._start["overshoot_bytes_by_kind"][kind]
         steps = self._monitor.steps
@@ -277,7 +231,7 @@ class FailureHandling:
             self._sampler.second_size(self.model)
         suggestion = self._suggest()
         if suggestion is not None and self.model is not None:
-            suggestion = self._checked_below(suggestion, kind)
+            suggestion = _overshoot_check.checked_below(self, suggestion, kind)
         if suggestion is not None:
             # The report names it too (report().suggested_batch_size), as the message does.
             self._suggestion = suggestion

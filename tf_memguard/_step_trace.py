@@ -94,6 +94,10 @@ class StepTrace:
         (a PyDataset's batches, which fit() shuffles, put its short batch anywhere)."""
         return bool(np.any((self.op != _FREE) & ((self.flags & _BATCH) != 0)))
 
+    def start_bytes(self, kind):
+        """The bytes of `kind` (a KINDS name) live at the step's start."""
+        return int(np.asarray(self.start_size)[kind_of(self.start_flags) == KINDS.index(kind)].sum())
+
     # -- the step as replay ops --------------------------------------------------------
 
     def allocations(self):

@@ -864,3 +864,34 @@ def test_align_pairs_equal_tokens_around_what_one_side_added_or_changed():
     truth.update((k, k - 1) for k in range(12004, 20000) if k - 1 != 15000)
     got = dict(zip(i.tolist(), j.tolist()))
     assert sum(got.get(k) == v for k, v in truth.items()) >= len(truth) - 8   # a few ties at the edges
+
+
+def test_the_size_below_the_budget_after_steps_over_it_lies_on_the_line_through_their_peaks():
+    from tf_memguard._overshoot_check import below_budget
+    # Steps whose peak is 32 MB fixed plus 0.66 MB a sample (the README's CNN with
+    # jit_compile=True: 60.4 MB at 42, 49.9 MB at 26), a budget of 48 MiB (50.3 MB).
+    def peak(s):
+        return 32_000_000 + 660_000 * s
+    budget = 48 * MiB
+    largest = max(s for s in range(200) if peak(s) <= budget)   # 27
+    # From one step, in proportion: too many (the fixed part), but fewer than the step's.
+    one = below_budget([(42, peak(42))], budget)
+    assert largest < one < 42
+    # From two, on their line: the largest size within the budget, not one more.
+    assert below_budget([(42, peak(42)), (one, peak(one))], budget) == largest
+    # Peaks that do not rise with the size give no line: the proportion again.
+    assert below_budget([(42, peak(30)), (30, peak(30))], budget) == 30 * budget // peak(30)
+
+
+def test_the_bytes_of_a_kind_live_at_a_steps_start_are_counted():
+    pool = tf_memguard.Pool(max_bytes=64 * MiB, upstream="host_lazy")
+    a = pool.allocate(3 * MiB, kind="input")
+    b = pool.allocate(1 * MiB, kind="kernel")
+    live = _step_trace.StepTrace.capture_start(pool)
+    pool.trace_start(1 << 16)
+    step(pool, 2)
+    t = _step_trace.StepTrace.from_pool(pool, live, 2)
+    pool.trace_start(0)
+    assert t.start_bytes("input") == 3 * MiB and t.start_bytes("kernel") == 1 * MiB and t.start_bytes("xla") == 0
+    pool.free(a)
+    pool.free(b)
