@@ -24,7 +24,8 @@ FIRST_STEPS = 1
 last_steps = []
 
 
-def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, start=None, validation_data=None):
+def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, start=None, validation_data=None,
+                    sample_weight=None, class_weight=None):
     """The largest batch size whose training step fits the budget, by the memory model.
 
     Short runs of fit(), each step recorded as the pool sees it, with fit()'s own pipeline
@@ -64,6 +65,9 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
             arrays stay in host memory, outside the budget). Defaults to None. With
             validation_split, pass x and y whole: Keras' copies of the two parts add up
             to one of the arrays, for which the room is kept anyway.
+        sample_weight, class_weight: as for fit() (a weight per sample of x; a dict of
+            class index to weight): the short runs are given them, as the run will be.
+            Defaults to None. (Not used on Keras' JAX backend, where no step runs.)
 
     On Keras' JAX backend no step is run: the train step XLA compiles at a batch size
     gives its memory (memory_analysis()), and the answer is the largest size whose
@@ -105,6 +109,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     n = num_samples(x)
     if n < 1:
         raise ValueError("find_batch_size(x=...): x holds no samples")
+    weights = _weights(sample_weight, class_weight, n)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ValueError(f"find_batch_size(steps={steps!r}): must be an int of at least 2")
     if _backend.framework() == "jax":
@@ -131,7 +136,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     # the batch, and 419 was named where 370 was the most that trained. The steps are
     # taken without it, and the budget is asked with room for it: the real run may copy.
     # (On Keras' torch backend the arrays stay on the host: no copy in the pool.)
-    copies = [-(-fed_nbytes(a) // align) * align for a in _arrays((x, y))] \
+    copies = [-(-fed_nbytes(a) // align) * align for a in _arrays((x, y, sample_weight))] \
         if _backend.framework() == "tensorflow" else []
     # The validation arrays' copy, made at the first evaluation, is live at the steps of
     # every epoch after it (benchmarks/NOTES.md, "find_batch_size and the validation
@@ -140,7 +145,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         if _backend.framework() == "tensorflow" else []
 
     def steps_at(size, steps):
-        trace = fit_steps(model, x, y, size, recorder, steps=steps)
+        trace = fit_steps(model, x, y, size, recorder, steps=steps, fit_kwargs=weights)
         return without_blocks(trace, copies, kind="input") if trace is not None else None
     held = sum(copies) + sum(val_copies)
     room = budget - held
@@ -289,6 +294,25 @@ def _validation_arrays(data):
             "does, (x_val, y_val) or (x_val, y_val, sample_weight_val), numpy arrays or tensors; for a dataset, "
             "train with MemGuardCallback, whose advice counts what the run holds")
     return leaves
+
+
+def _weights(sample_weight, class_weight, n):
+    """fit()'s sample_weight and class_weight for the short runs (a dict), checked."""
+    kw = {}
+    if sample_weight is not None and class_weight is not None:
+        raise ValueError("find_batch_size(sample_weight=..., class_weight=...): pass one of them, as fit() takes "
+                         "one (fold the class weights into the sample weights)")
+    if sample_weight is not None:
+        if not is_sliceable(sample_weight) or num_samples(sample_weight) != n:
+            raise ValueError(f"find_batch_size(sample_weight=<{type(sample_weight).__name__}>): takes one weight per "
+                             f"sample of x ({n}), an array, as fit() does")
+        kw["sample_weight"] = sample_weight
+    if class_weight is not None:
+        if not isinstance(class_weight, dict):
+            raise ValueError(f"find_batch_size(class_weight=<{type(class_weight).__name__}>): takes a dict of class "
+                             "index to weight, as fit() does")
+        kw["class_weight"] = class_weight
+    return kw
 
 
 def _copies_of(val):

@@ -160,7 +160,7 @@ def _record_step(recorder, batch_size, at=1, epoch_at=0, full=None):
     return RecordStep()
 
 
-def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1):
+def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1, fit_kwargs=None):
     """`steps` steps of fit() at `batch_size` (1 or more), the last recorded (fit()'s own
     pipeline, its copy of the data, the trace of the step it runs): a StepTrace,
     complete=False when the recorded step was refused; None when an earlier one was.
@@ -168,7 +168,8 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
     the last one recorded, and None when any step was refused.
     `samples`: fit() on that many of the first samples (default: all; one more than two
     batches makes the last batch partial, and the trace the one for an unknown batch
-    dimension). One step is the first of its fit() at this size: where the function has
+    dimension). `fit_kwargs`: more of fit()'s arguments (sample_weight, taken as x is;
+    class_weight). One step is the first of its fit() at this size: where the function has
     no trace for it yet, the recorded step includes the tracing's own blocks (freed before
     the step's kernels run; a model takes those it cannot match as bounded, never as
     less). The model's weights and optimizer state are restored exactly, its metrics
@@ -181,9 +182,12 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
         raise ValueError(f"fit_steps(steps={steps!r}): must be an int of at least 1")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"fit_steps(epochs={epochs!r}): must be an int of at least 1")
+    fit_kwargs = dict(fit_kwargs or {})
     if samples is not None:
         x = first_samples(x, samples)
         y = first_samples(y, samples) if y is not None else None
+        if fit_kwargs.get("sample_weight") is not None:
+            fit_kwargs["sample_weight"] = first_samples(fit_kwargs["sample_weight"], samples)
     snapshot = Snapshot(model)
     full = num_samples(x) // batch_size
     cb = _record_step(recorder, batch_size, at=steps - 1, full=full) if epochs == 1 else \
@@ -197,7 +201,7 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
     try:
         with _OneStepPerExecution(model):
             model.fit(x, y, batch_size=batch_size, epochs=epochs, steps_per_epoch=steps if epochs == 1 else None,
-                      verbose=0, shuffle=False, callbacks=[cb])
+                      verbose=0, shuffle=False, callbacks=[cb], **fit_kwargs)
     except _backend.oom_errors() as e:
         cb.failed()
         clear_chain(e)

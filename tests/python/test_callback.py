@@ -895,6 +895,46 @@ def test_find_batch_size_keeps_room_for_the_validation_arrays_it_is_given():
     assert d["reserved"] <= d["limit"], d
 
 
+def test_find_batch_size_gives_its_steps_the_sample_and_class_weights_fit_will_get():
+    # fit()'s sample_weight and class_weight reach find_batch_size's steps (before: a
+    # TypeError), and its answer trains with them; bad ones raise ValueError saying what
+    # it takes.
+    r = run(SETUP, """
+        tf_memguard.install(max_bytes="128MiB")
+        seen = []
+        base = small_cnn()
+        class Seen(keras.Model):
+            def train_step(self, data):
+                seen.append(keras.utils.unpack_x_y_sample_weight(data)[2] is not None)   # at tracing
+                return super().train_step(data)
+        keras.utils.set_random_seed(0)
+        m = Seen(base.inputs, base.outputs)
+        m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        w = np.random.default_rng(1).random(len(x)).astype("float32")
+        cw = {0: 1.0, 1: 2.0, 2: 1.0, 3: 0.5}
+        sizes = []
+        for kw in (dict(sample_weight=w), dict(class_weight=cw)):
+            sizes.append(tf_memguard.find_batch_size(m, x, y, **kw))
+            m.fit(x, y, batch_size=sizes[-1], epochs=1, verbose=0, **kw)
+        errors = []
+        for bad in (dict(sample_weight=w[:10]), dict(sample_weight="w"), dict(class_weight=[1.0, 2.0]),
+                    dict(sample_weight=w, class_weight=cw)):
+            try:
+                tf_memguard.find_batch_size(m, x, y, **bad)
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        emit(sizes=sizes, seen=seen, errors=errors)
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert min(d["sizes"]) > 0 and d["seen"] and all(d["seen"]), d
+    assert d["errors"][0].startswith("find_batch_size(sample_weight=<ndarray>)") and "(1024)" in d["errors"][0], d
+    assert d["errors"][1].startswith("find_batch_size(sample_weight=<str>)"), d
+    assert d["errors"][2].startswith("find_batch_size(class_weight=<list>)") and "dict" in d["errors"][2], d
+    assert d["errors"][3].startswith("find_batch_size(sample_weight=..., class_weight=...): pass one"), d
+
+
 def test_a_pydatasets_short_batch_first_is_not_taken_for_a_step_at_its_batch_size():
     # fit() shuffles a PyDataset's batches, so its short batch can come first. Recorded as
     # the first step at the batch size, its small peak made the model say the size fits;
