@@ -178,6 +178,9 @@ class FailureHandling:
 
     def _resolve_after_oom(self, report, keras_model):
         """Works out the suggestion after an out-of-memory error (report's pending fields)."""
+        # Read after the except block, the failed fit()'s data is garbage in a reference
+        # cycle (its frames) until a collection: its short runs must not meet it.
+        gc.collect()
         held = self._pool.stats()["bytes_in_use"] - self._start["bytes_in_use"]
         if held > HELD_AFTER_FAILURE:
             warnings.warn(f"tf_memguard: the suggestion is read while {format_bytes(held)} more than before the "

@@ -326,6 +326,37 @@ def test_xla_over_the_budget_stops_the_run_after_the_step_with_the_model_intact(
     assert d["retry"] == "trained" and d["more"] == 0, d
 
 
+def test_the_report_read_after_the_except_block_collects_the_failed_runs_garbage_first():
+    # The suggestion after an OOM is worked out when first read, by short runs that must
+    # not meet the failed fit()'s data, garbage in a reference cycle until a collection.
+    # Read without gc.collect() (here 8 MiB in a cycle, automatic collection off), it was
+    # worked out beside it, with a warning that it may be smaller than what fits.
+    r = run(SETUP, """
+        import gc, warnings
+        tf_memguard.install(max_bytes="64MiB")
+        m = make()
+        gc.collect()
+        gc.disable()
+        try:
+            m.fit(x, y, batch_size=1024, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            first = "trained"
+        except tf.errors.ResourceExhaustedError:
+            first = "oom"
+        class Holder: pass
+        h = Holder(); h.me = h; h.t = tf.ones((2 << 20,))   # 8 MiB in a cycle
+        del h
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            size = tf_memguard.report().suggested_batch_size
+        gc.enable()
+        emit(first=first, size=size, warned=[str(w.message)[:120] for w in caught if "is read while" in str(w.message)])
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["first"] == "oom" and d["size"], d
+    assert d["warned"] == [], d
+
+
 def test_a_retry_given_the_callback_does_not_meet_the_failed_runs_garbage():
     # The failed fit()'s data stays in the pool until its frames, a reference cycle, are
     # collected; a retry that found it beside its own went over the budget (the test
