@@ -140,7 +140,7 @@ def test_the_budget_holds_for_every_mode_and_batch_size(name):
         if row["outcome"] != "ok" and row["mode"] != "train_on_batch":
             assert row["after"] - row["before"] <= 1 << 20, where
             # Nothing the model held is lost from the pool either; except after a stop for
-            # XLA's buffers, where once in CI (2026-12-06; not in three runs here) the wide
+            # XLA's buffers, where once in CI (2026-12-06; not in eight runs here) the wide
             # MLP's pool held 4 MiB less after than before, one 1024x1024 variable's worth,
             # the model usable (benchmarks/NOTES.md, "A variable out of the pool's account").
             if row["mode"] != "jit_compile":
