@@ -357,6 +357,45 @@ def test_the_report_read_after_the_except_block_collects_the_failed_runs_garbage
     assert d["warned"] == [], d
 
 
+def test_xla_over_the_budget_on_a_dataset_names_a_size_that_trains():
+    # Stopped after its first step on a tf.data dataset, the run had no arrays for the step
+    # at half the size, and the model of one size took XLA's buffers as fixed: "even a
+    # batch of 1 needs about 354 MiB", where 27 trains. The dataset's first batches are now
+    # sampled for that step, and the size named is run by a step of its own.
+    r = run(SETUP, """
+        tf_memguard.install(max_bytes="48MiB")
+        m = make()
+        m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+        def data(b):
+            return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(1024, seed=0).batch(b).prefetch(2)
+        ds = data(512)
+        try:
+            m.fit(ds, epochs=2, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            outcome = "trained"
+        except tf.errors.ResourceExhaustedError as e:
+            outcome = type(e).__name__
+        rep = tf_memguard.report()
+        size, method = rep.suggested_batch_size, rep.suggestion_method
+        over = tf_memguard.stats()["overshoots_by_kind"]["xla"]
+        retry = None
+        if size:
+            try:
+                m.fit(data(size), epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+                retry = "trained"
+            except tf.errors.ResourceExhaustedError as e:
+                retry = str(e)[:300]
+        emit(outcome=outcome, size=size, method=method, retry=retry,
+             more=tf_memguard.stats()["overshoots_by_kind"]["xla"] - over)
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    if d["outcome"] == "trained":
+        pytest.skip("XLA's buffers fitted the budget on this machine")
+    assert d["outcome"] == "BudgetExceededError", d
+    assert d["size"] and d["method"].endswith(f"a step at {d['size']} ran within the budget"), d
+    assert d["retry"] == "trained" and d["more"] == 0, d
+
+
 def test_a_retry_given_the_callback_does_not_meet_the_failed_runs_garbage():
     # The failed fit()'s data stays in the pool until its frames, a reference cycle, are
     # collected; a retry that found it beside its own went over the budget (the test
