@@ -233,7 +233,7 @@ class FailureHandling:
             # slopes, rather than being taken as fixed below the size that ran. A dataset's
             # first batches are sampled for it first (else, with no arrays, no step ran, and
             # the README's CNN with jit_compile=True on a tf.data dataset under 48 MiB was
-            # told that even a batch of 1 needs 354 MiB, where 26 trains).
+            # told that even a batch of 1 needs 354 MiB, where 27 trains).
             self._sampler.data.sample_dataset(self._sampler.b0)
             self._sampler.second_size(self.model)
         suggestion = self._suggest()
