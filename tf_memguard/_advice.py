@@ -23,6 +23,9 @@ class Suggestion:
         running_bytes: the budget the running batch size would need, when known (else 0).
         fixed_batch: the batch size the model's inputs fix (_fit_args.fixed_batch_size),
             the only one it can run; else 0.
+        at_least: the budgets are what a step refused before its end held up to the
+            refusal (a model of no complete step): less than the step needs, by what came
+            after it.
     """
 
     batch_size: int
@@ -32,6 +35,7 @@ class Suggestion:
     one_sample_bytes: int = 0
     running_bytes: int = 0
     fixed_batch: int = 0
+    at_least: bool = False
 
     @property
     def fits_none(self):
@@ -59,8 +63,10 @@ def suggest(model, budget, running=None, at_most=None, method="", at_least=0, fi
     # refused step alone says.
     one = max(model.budget_for(1), budget + (1 << 20)) if size == 0 else 0
     now = model.budget_for(running) if running and (size == 0 or size < running) else 0
+    # A model of a refused step alone (no step completed) knows the step up to its refusal.
+    partial = size == 0 and not all(getattr(m, "complete", True) for m in getattr(model, "models", [model]))
     return Suggestion(batch_size=int(size), budget_bytes=int(budget), predicted_peak_bytes=int(peak),
-                      method=method, one_sample_bytes=int(one), running_bytes=int(now))
+                      method=method, one_sample_bytes=int(one), running_bytes=int(now), at_least=partial)
 
 
 def advice_sentence(s, running):
@@ -76,12 +82,17 @@ def advice_sentence(s, running):
                 f"one it can run, and {need} to tf_memguard.install(), or build the model's inputs for a smaller "
                 "batch size.")
     if s.fits_none:
-        text = (f"No batch size fits the {format_bytes(s.budget_bytes)} budget: even a batch of 1 needs about "
+        about = "more than" if s.at_least else "about"
+        text = (f"No batch size fits the {format_bytes(s.budget_bytes)} budget: even a batch of 1 needs {about} "
                 f"{format_bytes(s.one_sample_bytes)} for what the step holds whatever its batch size (weights, "
                 f"optimizer state, copies of the data, fixed workspaces). Pass max_bytes of at least "
                 f"{format_bytes(s.one_sample_bytes)} to tf_memguard.install()")
         if s.running_bytes:
-            text += f", or about {format_bytes(s.running_bytes)} for the batch size of {running}"
+            text += f", or {about} {format_bytes(s.running_bytes)} for the batch size of {running}"
+        if s.at_least:
+            text += (". These are what the failed step held up to its refusal, and what it would have made after "
+                     "it is not known: a fit() with MemGuardCallback under such a budget names the batch size "
+                     "that fits")
         return text + "."
     if running and s.batch_size < running:
         text = f"Reduce the batch size to {s.batch_size}{now}, or pass a larger max_bytes to tf_memguard.install()"

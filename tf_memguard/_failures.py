@@ -125,6 +125,7 @@ class FailureHandling:
 
     def _explain_oom(self, error):
         _failed[0] = True
+        self._failed_error = _weak(error)
         refusal_now = self._pool.stats()["num_refusals"] > self._start["num_refusals"]
         if self._explain_told(error, refused_here=refusal_now, oom=True):  # another worker ran out first
             return
@@ -182,10 +183,19 @@ class FailureHandling:
         # cycle (its frames) until a collection: its short runs must not meet it.
         gc.collect()
         held = self._pool.stats()["bytes_in_use"] - self._start["bytes_in_use"]
-        if held > HELD_AFTER_FAILURE:
-            warnings.warn(f"tf_memguard: the suggestion is read while {format_bytes(held)} more than before the "
-                          "failed fit() is in use (inside the except block, or before gc.collect()): it is worked "
-                          "out with that memory taken, and may be smaller than what fits", stacklevel=4)
+        # The failed fit()'s data is held while its error is: the error's traceback holds
+        # fit()'s frames (inside the except block, or with the error kept in a variable).
+        # The bytes alone say too much: the optimizer's slots can be made in the failed
+        # step itself (Keras builds Adam's slots of zeros sharing one buffer until the first
+        # update writes them; a model of 80 MiB of weights under 256 MiB held 94 MiB more
+        # after the except block and gc.collect(), all of it the slots), and they stay.
+        ref = getattr(self, "_failed_error", None)
+        still_held = ref() is not None if ref is not None else held > HELD_AFTER_FAILURE
+        if still_held and held > HELD_AFTER_FAILURE:
+            warnings.warn(f"tf_memguard: the suggestion is read while the failed fit()'s error, and with it its data, "
+                          f"is still held ({format_bytes(held)} more in use than before it: inside the except block, "
+                          "or with the error kept in a variable): it is worked out with that memory taken, and may "
+                          "be smaller than what fits; read it after the except block", stacklevel=4)
         suggestion = None
         try:
             model = self._sampler.model_after_oom(keras_model)
@@ -247,6 +257,14 @@ class FailureHandling:
         self._tell_cluster()
         self._finish()
         raise budget_exceeded_error()("tf_memguard: " + self._oom)
+
+
+def _weak(error):
+    """A weak reference to `error`, or None where its type takes none."""
+    try:
+        return weakref.ref(error)
+    except TypeError:
+        return None
 
 
 def _no_size(report, running):

@@ -357,6 +357,70 @@ def test_the_report_read_after_the_except_block_collects_the_failed_runs_garbage
     assert d["warned"] == [], d
 
 
+def test_after_an_oom_whose_failed_step_made_the_optimizers_slots_the_report_neither_warns_nor_names_no_steps():
+    # Keras builds Adam's slots of zeros sharing one buffer until the first update writes
+    # them: a first fit() that runs out in its first step has made them, and they stay
+    # (the model's own state). Read after the except block and gc.collect(), the report
+    # warned that the failed fit()'s data was still held (the 19 MiB of slots), and, no
+    # short run fitting, named its method "the memory model of steps at " (no sizes), and
+    # said "about" of budgets that are what the step held up to its refusal (a retry in
+    # the same process under the 98.8 MiB it named for 32 ran out; 100.5 MiB were used).
+    r = run("""
+        import gc, re, warnings
+        import numpy as np, tensorflow as tf, keras, tf_memguard
+        tf_memguard.install(max_bytes="64MiB")
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((512,)), keras.layers.Dense(2048), keras.layers.Dense(2048),
+                              keras.layers.Dense(10)])   # 24 MiB of weights, 48 of Adam's slots
+        m.compile("adam", "mse")
+        x, y = np.zeros((640, 512), "float32"), np.zeros((640, 10), "float32")
+        def read():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                rep = tf_memguard.report()
+                size = rep.suggested_batch_size
+            return rep, size, [str(w.message)[:100] for w in caught if "is read while" in str(w.message)]
+        try:
+            m.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            first = "trained"
+        except tf.errors.ResourceExhaustedError:
+            first = "oom"
+        gc.collect()
+        rep, size, warned = read()
+        need = re.search(r"or more than ([0-9.]+) MiB for the batch size of 32", rep.advice)
+        try:   # what it names is less than the step needs, no more: the budget 90% of it does not fit
+            tf_memguard.install(max_bytes=int(float(need.group(1)) * 2**20 * 0.9))
+            m.fit(x, y, batch_size=32, epochs=2, verbose=0)
+            retry = "trained"
+        except tf.errors.ResourceExhaustedError:
+            retry = "oom"
+        gc.collect()
+        # Inside the except block the error holds the failed fit()'s frames: a warning.
+        del m
+        gc.collect()
+        tf_memguard.install(max_bytes="64MiB")
+        m2 = keras.Sequential([keras.Input((512,)), keras.layers.Dense(2048), keras.layers.Dense(10)])
+        m2.compile("adam", "mse")
+        big = np.ones((4096, 512), "float32")   # Keras' copy of it: 8 MiB
+        try:
+            m2.fit(big, np.zeros((4096, 10), "float32"), batch_size=4096, epochs=1, verbose=0,
+                   callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            inside = None
+        except tf.errors.ResourceExhaustedError as e:
+            inside = read()[2]
+        emit(first=first, size=size, method=rep.suggestion_method, advice=rep.advice, warned=warned, retry=retry,
+             inside=inside)
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["first"] == "oom" and d["size"] == 0, d
+    assert d["warned"] == [], d
+    assert d["method"].startswith("the failed step at 32 up to its refusal"), d["method"]
+    assert "even a batch of 1 needs more than" in d["advice"] and "up to its refusal" in d["advice"], d["advice"]
+    assert d["retry"] == "oom", d
+    assert d["inside"] is not None and len(d["inside"]) == 1, d
+
+
 def test_xla_over_the_budget_on_a_dataset_names_a_size_that_trains():
     # Stopped after its first step on a tf.data dataset, the run had no arrays for the step
     # at half the size, and the model of one size took XLA's buffers as fixed: "even a
