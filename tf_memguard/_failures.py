@@ -166,7 +166,8 @@ class FailureHandling:
                 # size that was just refused.)
                 self._suggestion = suggestion
             message = _oom.explain(self._device, refusal, suggestion, self._run_batch, deferred=pending is not None,
-                                   dataset=self._sampler is not None and self._sampler.data.x is None)
+                                   dataset=self._sampler is not None and self._sampler.data.x is None,
+                                   granted=_oom.granted_over(self._pool.stats(), self._start))
         self._oom = message
         self._tell_cluster()
         self._add_note(error, self._oom)

@@ -69,12 +69,13 @@ def refused(device, refusal):
     return text
 
 
-def explain(device, refusal, suggestion=None, running=None, deferred=False, dataset=False):
+def explain(device, refusal, suggestion=None, running=None, deferred=False, dataset=False, granted=None):
     """The note for an out-of-memory error: what was refused, what held the budget, and
     what to do (`suggestion`: an _advice.Suggestion, or None when none could be made;
     `deferred`: the suggestion is worked out when the report is read; `dataset`: from a
-    sample of a tf.data dataset's batches)."""
-    text = refused(device, refusal)
+    sample of a tf.data dataset's batches; `granted`: {kind: bytes} of the run's requests
+    that cannot be refused granted over the budget before the refusal)."""
+    text = refused(device, refusal) + granted_before(granted)
     if deferred:
         now = f" (now {running})" if running else ""
         return text + (f" Reduce the batch size{now}: after the except block and gc.collect(), "
@@ -92,6 +93,29 @@ def explain(device, refusal, suggestion=None, running=None, deferred=False, data
     # While it is handled, an exception holds the failed fit()'s frames, and with them its
     # copy of the data: a retry inside the except block meets two copies.
     return text + RETRY
+
+
+def granted_over(stats, start):
+    """{kind: bytes}: how far a run's requests that cannot be refused passed the budget at
+    once, at most, from the pool's `stats` now and at the run's `start`: what of each kind
+    the run was granted over it, at most the pool's peak of such bytes in use at once."""
+    was = start["overshoot_bytes_by_kind"]
+    return {k: min(v - was.get(k, 0), stats["peak_overshoot_bytes"])
+            for k, v in stats["overshoot_bytes_by_kind"].items() if v > was.get(k, 0)}
+
+
+def granted_before(granted):
+    """' Before it, XLA's buffers ... were granted 15.5 MiB over the budget ...': what of
+    the run's requests that cannot be refused passed the budget before the refusal, which
+    the memory in use at the refusal does not show (a grouped Conv1D network, which Keras
+    compiles with XLA on the CPU, refused at 120 under 160 MiB: 16.2 MB of XLA's buffers
+    had been granted over the budget earlier in that step). '' where none was."""
+    parts = [f"{KIND_NAMES.get(k, k)}, up to {format_bytes(v)} over it at once" for k, v in
+             sorted((granted or {}).items()) if v > 0]
+    if not parts:
+        return ""
+    return " Before it, requests that cannot be refused were granted over the budget in this run: " + \
+        "; ".join(parts) + "."
 
 
 RETRY = " Retry after the except block, and gc.collect() first: until then this error holds the failed fit()'s data."

@@ -538,3 +538,26 @@ def test_small_blocks_in_a_zone_of_their_own_need_a_smaller_budget(monkeypatch):
     zoned = _smallest_budget(trace, 0.002, zone_threshold=64 * 1024, **layout)
     one_zone = _smallest_budget(trace, 0.002, **layout)
     assert zoned < 1.075 and one_zone > 1.085, (zoned, one_zone)
+
+
+def test_an_oom_note_says_what_was_granted_over_the_budget_before_the_refusal():
+    # XLA's buffers cannot be refused: granted over the budget, then freed, earlier in the
+    # step that a kernel's refused request ends. The note showed only what was in use at
+    # the refusal, within the budget (a grouped Conv1D network under 160 MiB, which Keras
+    # compiles with XLA on the CPU: 16.2 MB of XLA's buffers over the budget, not said).
+    from tf_memguard import _oom
+    pool = tf_memguard.Pool(max_bytes=8 * MiB)
+    start = pool.stats()
+    assert _oom.granted_over(pool.stats(), start) == {}
+    held = pool.allocate(6 * MiB)
+    over = pool.allocate(3 * MiB, must_succeed=True, kind="xla")   # 1 MiB over the budget at once
+    pool.free(over)
+    with pytest.raises(tf_memguard.OutOfBudgetError):
+        pool.allocate(4 * MiB)
+    granted = _oom.granted_over(pool.stats(), start)
+    assert set(granted) == {"xla"} and 1 * MiB <= granted["xla"] <= 3 * MiB, granted
+    text = _oom.explain("CPU:0", pool.last_refusal(), granted=granted)
+    assert "Before it, requests that cannot be refused were granted over the budget in this run: XLA's buffers" \
+        in text, text
+    assert "granted over" not in _oom.explain("CPU:0", pool.last_refusal())
+    pool.free(held)
