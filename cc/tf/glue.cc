@@ -245,7 +245,35 @@ class pool_allocator final : public tsl::Allocator {
       return p;
     }
     log_unrefusable(num_bytes, who.kind);
-    return allocate(alignment, num_bytes, TFMG_ALLOC_MUST_SUCCEED | tag | kind);
+    void* p = allocate(alignment, num_bytes, TFMG_ALLOC_MUST_SUCCEED | tag | kind);
+    if (p != nullptr && who.kind == TFMG_KIND_INPUT && num_bytes >= kWarnInputAbove) warn_input_over(num_bytes);
+    return p;
+  }
+
+  // Arrays made into tensors cannot be refused (their callers crash on a null), so data
+  // larger than the budget takes it whole, and every request after it that can be is
+  // refused: with 300 MiB of arrays under 64 MiB, fit() failed in Keras' set-up, before
+  // any callback runs, with TensorFlow's "OOM when allocating tensor with shape[] and
+  // type resource" and nothing to say why. Said once, when such a copy first passes the
+  // budget. (1 MiB and more: the values a step passes, scalars and shapes, are smaller.)
+  static constexpr size_t kWarnInputAbove = 1 << 20;
+
+  void warn_input_over(size_t num_bytes) {
+    static std::atomic<bool> warned{false};
+    if (warned.exchange(true)) return;
+    tfmg_stats st;
+    std::string state;
+    if (g_api.get_stats(pool_, &st) == TFMG_OK && st.bytes_limit > 0) {
+      state = " (" + human(uint64_t(st.bytes_in_use)) + " in use, the budget " + human(uint64_t(st.bytes_limit)) +
+              ")";
+    }
+    warn("numpy arrays or Python values made into a tensor of " + human(num_bytes) +
+         " (Keras' copy of the training or validation arrays, or a tf.data.Dataset.from_tensor_slices of them) "
+         "did not fit the CPU:0 budget" + state + " and were granted over it: TensorFlow crashes when such a "
+         "request is refused. Until that memory is freed, every request that can be refused is refused, so the "
+         "next step or iterator fails with a ResourceExhaustedError. Pass a budget that holds the arrays as well "
+         "as the training step, or read the data in pieces (a tf.data pipeline over files, or a "
+         "keras.utils.PyDataset).");
   }
 
   tfmg_pool* pool_;

@@ -82,6 +82,41 @@ def test_numpy_conversion_over_budget_is_granted_as_overshoot_and_counts_against
     assert r.data["peak_reserved"] <= r.data["limit"]
 
 
+def test_arrays_larger_than_the_budget_given_to_fit_are_named_once_and_the_process_goes_on():
+    # Keras' copy of the arrays cannot be refused: with 48 MiB of them under 16 MiB, it
+    # took the budget, and fit() failed in Keras' set-up, before any callback ran, with
+    # TensorFlow's "OOM when allocating tensor with shape[] and type resource" and nothing
+    # that said why (300 MiB of images under 64 MiB, tried as a user would). The plugin
+    # now says so, once, as the copy passes the budget.
+    r = run(MODEL, """
+        import gc
+        import tf_memguard
+        tf_memguard.install(max_bytes="16MiB")
+        m = make_model()
+        big = np.ones((4096, 32, 32, 3), "float32")   # 48 MiB
+        for _ in range(2):
+            try:
+                m.fit(big, np.zeros(4096, "int64"), batch_size=32, epochs=1, verbose=0,
+                      callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+                outcome = "trained"
+            except tf.errors.ResourceExhaustedError as e:
+                outcome = type(e).__name__
+            gc.collect()
+        left = tf_memguard.stats()["bytes_in_use"]
+        tf_memguard.install(max_bytes="64MiB")
+        m.fit(x[:256], y[:256], batch_size=32, epochs=1, verbose=0)   # the process and the model go on
+        outcome = dict(first=outcome, left=left)
+    """, REPORT, env=HARD)
+    assert r.returncode == 0, r
+    assert r.data["outcome"]["first"] == "ResourceExhaustedError", r.data
+    said = [line for line in r.stderr.splitlines() if "did not fit the CPU:0 budget" in line]
+    assert len(said) == 1, r.stderr[-3000:]
+    assert "numpy arrays or Python values made into a tensor of 48.0 MiB" in said[0], said
+    assert "Pass a budget that holds the arrays" in said[0], said
+    assert r.data["outcome"]["left"] < 2 << 20, r.data   # the copies went with the failed calls
+    assert r.data["peak_reserved"] <= r.data["limit"]
+
+
 def test_tf_data_pipeline_over_budget_raises_and_process_survives():
     r = run("""
         import numpy as np, tensorflow as tf, tf_memguard
