@@ -221,7 +221,11 @@ class FailureHandling:
                                   "samples.")
             else:
                 how = _fit_args.dataset_batch_method(dataset)
-                report.advice += f" The dataset fixes its own batches: build it with .{how}({suggestion.batch_size})."
+                # (Keras' dataset utilities, such as timeseries_dataset_from_array, batch with
+                # .batch() inside, and take the size as their batch_size.)
+                report.advice += (f" The dataset fixes its own batches: build it with .{how}({suggestion.batch_size}), "
+                                  f"or batch_size={suggestion.batch_size} where a Keras utility made it "
+                                  "(keras.utils.timeseries_dataset_from_array, image_dataset_from_directory, ...).")
             del dataset
         elif suggestion is None and self._sampler.data.dataset_gone():
             report.advice = ("No batch size was worked out: the dataset given to fit() is gone (nothing kept a "

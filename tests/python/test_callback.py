@@ -1340,6 +1340,7 @@ def test_after_an_oom_on_a_dataset_a_sample_of_its_batches_gives_a_size_that_tra
     assert "on the dataset's first batches, taken as arrays" in d["notes"], d["notes"]
     assert d["size"] is not None and 32 <= d["size"] < 1024, d
     assert "on the dataset's first" in d["method"] and f".batch({d['size']})" in d["advice"], d
+    assert f"batch_size={d['size']} where a Keras utility" in d["advice"], d["advice"]   # timeseries_dataset_...
     assert d["peak_reserved"] <= 128 << 20, d
     if d["loss"] is None:
         # A known miss (issue 14 stays open): this CNN's need on the dataset is not monotonic
