@@ -29,10 +29,19 @@ import dataclasses
 import warnings
 import weakref
 
+from tf_memguard import _recording
 from tf_memguard._memory_model import RUN_SPREAD, StepModel, StepModels
 
 # Short runs at most (one step each): the suggestion, then two sizes below a refusal.
 CONFIRM_RUNS = 3
+
+
+def with_model(models, model):
+    """StepModels of `models` (a StepModel or StepModels) and `model`, one level deep (as
+    a report saves and loads them)."""
+    if isinstance(models, StepModels):
+        return StepModels(models.models + [model], models.domains + ["all"], models.samples)
+    return StepModels([models, model])
 
 
 def confirmed(sampler, keras_model, model, suggestion, budget):
@@ -41,23 +50,26 @@ def confirmed(sampler, keras_model, model, suggestion, budget):
     larger than the running size (sampler.b0, which trained), or when a step at it
     completed; else the largest size whose step completed (at least the running size),
     its method saying so. Unchanged too where no short run can be made (no arrays, and no
-    dataset to sample them from)."""
+    dataset to sample them from). Returns it, and `model` with the model of each refused
+    step beside it (what the report saves, for the what-if)."""
     size = suggestion.batch_size if suggestion is not None else 0
     good = sampler.b0
     if size <= good or not sampler.data.usable or not sampler.data.sample_dataset(size) or \
             (sampler.data.n or 0) < size:
-        return suggestion
+        return suggestion, model
     base = sampler.template or sampler.first
-    refused, current = [], model
+    refused, current, short = [], model, 0.0
     for _ in range(CONFIRM_RUNS):
         trace = sampler.short_fit(keras_model, size, all_samples=True, steps=1)
         if trace is not None and trace.complete:
             good = size
             break
         refused.append(size)
+        # Short there by at least what its replay left of the budget, per sample.
+        short = max(short, (budget - model.need(size)["peak_account"]) / size)
         if trace is not None and base is not None:
             failed = StepModel.build(trace, base, first=True, epoch=sampler.data.epoch, fresh=False)
-            current = StepModels([current, failed])
+            current = with_model(current, failed)
         nxt = min(current.largest_fitting(budget, at_most=size - 1), int(size / (1 + RUN_SPREAD)))
         if len(refused) > 1:
             # Shown wrong twice: halfway, as bisection (the README's CNN under 128 MiB, run at
@@ -70,11 +82,19 @@ def confirmed(sampler, keras_model, model, suggestion, budget):
             break
         size = nxt
     if not refused:
-        return dataclasses.replace(suggestion, method=suggestion.method + f"; a step at {good} completed")
+        return dataclasses.replace(suggestion, method=suggestion.method + f"; a step at {good} completed"), current
+    # The report's model (the what-if's) keeps what the refusals showed: each model of the
+    # run with the shortfall as one more batch-shaped block at its start, and the refused
+    # steps' models beside them.
+    flags = _recording.SHORTFALL_FLAGS
+    shown = StepModels([m.with_shortfall(short, flags) for m in model.models], model.domains, model.samples) \
+        if isinstance(model, StepModels) else model.with_shortfall(short, flags)
+    for m in (current.models[len(model.models):] if isinstance(model, StepModels) else current.models[1:]):
+        shown = with_model(shown, m)
     what = (f"; short runs at {', '.join(str(b) for b in refused)} were refused (the steps recorded did not show "
             f"all that larger sizes need), so the largest size that ran, {good}")
     return dataclasses.replace(suggestion, batch_size=int(good), method=suggestion.method + what,
-                               predicted_peak_bytes=int(model.need(good)["peak_account"]))
+                               predicted_peak_bytes=int(model.need(good)["peak_account"])), shown
 
 
 def resolver(callback):
@@ -91,7 +111,13 @@ def resolver(callback):
         m, cb = keras_model(), owner()
         if m is not None and (cb is None or cb._sampler is sampler):  # not a later run's
             try:
-                s = confirmed(sampler, m, sampler.model(), suggestion, budget)
+                s, shown = confirmed(sampler, m, sampler.model(), suggestion, budget)
+                if shown is not sampler.model():
+                    # The refused runs' steps go with the report's model: the what-if from
+                    # it at another budget said 7,714 fits 96 MiB for a pandas MLP whose
+                    # run under 48 MiB had been refused at 3,628 and 3,386 (the steps at
+                    # 1,400 and 1,200 under-predict larger sizes); 7,714 ran out there.
+                    report.memory_model = shown.to_dict()
             except Exception as e:  # noqa: BLE001 - reading the report must not fail
                 warnings.warn(f"tf_memguard: the suggested batch size {suggestion.batch_size} could not be "
                               f"confirmed by a step at it ({type(e).__name__}: {e}); the running size {running} "

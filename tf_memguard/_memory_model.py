@@ -207,6 +207,20 @@ class StepModel:
         sizes, _, _, _ = self._ops(batch_size)
         return int(self.need(batch_size)["peak_account"]) - int(sizes[:len(self.start_fixed)].sum())
 
+    def with_shortfall(self, per_sample, flags):
+        """The same model with one more block live at the step's start, of `per_sample`
+        bytes per sample (flags `flags`, batch-tagged): what a size refused where the model
+        said it fits showed the model short by, at least (as find_batch_size keeps it)."""
+        if per_sample <= 0:
+            return self
+        n = len(self.start_fixed)
+        # The new start block takes slot n: the step's own blocks move up one slot.
+        ev_slot = np.where(self.ev_slot >= n, self.ev_slot + 1, self.ev_slot).astype(np.uint32)
+        return dataclasses.replace(self, start_fixed=np.append(self.start_fixed, 0.0),
+                                   start_slope=np.append(self.start_slope, float(per_sample)),
+                                   start_flags=np.append(self.start_flags, np.uint32(flags)).astype(np.uint32),
+                                   ev_slot=ev_slot, nslots=self.nslots + 1, added_start=self.added_start + 1)
+
     def optimistic(self):
         """The same model with the other bound for blocks known only to lie between fixed
         and proportional: how much the answer depends on them."""

@@ -879,11 +879,19 @@ def test_a_suggestion_above_the_running_size_trains():
         cb = tf_memguard.MemGuardCallback(verbose=0)
         m.fit(x, y, batch_size=14, epochs=2, verbose=0, callbacks=[cb])
         rep = tf_memguard.report()
-        emit(size=rep.suggested_batch_size, method=rep.suggestion_method)
+        size, method = rep.suggested_batch_size, rep.suggestion_method
+        # The what-if from the report's model, at the run's own budget.
+        emit(size=size, method=method, what_if=rep.model().largest_fitting(512 << 20, at_most=256))
     """, env=HARD)
     assert r.returncode == 0, r
     size = r.data["size"]
     assert size >= 14, r.data  # the running size trained
+    refused = re.search(r"short runs at (\d+)", r.data["method"])
+    if refused:
+        # What the refusals showed goes with the report's model: the what-if from it named
+        # 85 again, the size refused (as a pandas MLP's report named 7,714 for 96 MiB where
+        # its run had been refused at 3,628 under 48 MiB; 7,714 ran out).
+        assert r.data["what_if"] < int(refused.group(1)), r.data
     fit = run(CONV3D, f"""
         try:
             m.fit(x, y, batch_size={size}, epochs=2, verbose=0)

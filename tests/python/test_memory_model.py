@@ -232,6 +232,29 @@ def test_a_model_saved_in_a_report_answers_the_same():
     assert back.largest_fitting(150 * MiB) == model.largest_fitting(150 * MiB)
 
 
+def test_a_shortfall_shown_by_a_refused_size_goes_with_the_saved_model():
+    # A refused confirmation run shows the model short at that size, and the report's model
+    # (the what-if's) must keep it: a pandas MLP's run under 48 MiB was refused at 3,628
+    # and 3,386, and the what-if from its report said 7,714 fits 96 MiB, where 7,714 ran
+    # out in 2 of 2 processes (its steps at 1,400 and 1,200 under-predict larger sizes).
+    from tf_memguard._recording import SHORTFALL_FLAGS
+    pool = make_pool()
+    model = mm.StepModel.build(record(pool, 32), record(pool, 16))
+    short = model.with_shortfall(0.25 * MiB, SHORTFALL_FLAGS)   # a quarter MiB more per sample
+    for b in (8, 32, 100):
+        assert short.need(b)["peak_account"] == true_need(b) + b * MiB // 4, b
+        assert model.need(b)["peak_account"] == true_need(b), b   # the model itself unchanged
+    assert model.with_shortfall(0, SHORTFALL_FLAGS) is model
+    budget = 200 * MiB
+    assert short.largest_fitting(budget) < model.largest_fitting(budget)
+    # The step's blocks still free what they freed (their slots moved up by one): twice
+    # over, the shortfall stays one block.
+    twice = short.with_shortfall(0.25 * MiB, SHORTFALL_FLAGS)
+    assert twice.need(64)["peak_account"] == true_need(64) + 64 * MiB // 2
+    back = mm.StepModels.from_dict(json.loads(json.dumps(mm.StepModels([short]).to_dict())))
+    assert back.need(50) == short.need(50)
+
+
 def test_what_if_from_the_command_line(tmp_path):
     pool = make_pool()
     model = mm.StepModels([mm.StepModel.build(record(pool, 32), record(pool, 16))], samples=4096)
