@@ -50,8 +50,9 @@ def confirmed(sampler, keras_model, model, suggestion, budget):
     larger than the running size (sampler.b0, which trained), or when a step at it
     completed; else the largest size whose step completed (at least the running size),
     its method saying so. Unchanged too where no short run can be made (no arrays, and no
-    dataset to sample them from). Returns it, and `model` with the model of each refused
-    step beside it (what the report saves, for the what-if)."""
+    dataset to sample them from). Returns it, and the model the report saves (for the
+    what-if): `model`, or where a run was refused, `model` short by what the refusals
+    showed (StepModel.with_shortfall) with the refused steps' models beside it."""
     size = suggestion.batch_size if suggestion is not None else 0
     good = sampler.b0
     if size <= good or not sampler.data.usable or not sampler.data.sample_dataset(size) or \
@@ -89,7 +90,8 @@ def confirmed(sampler, keras_model, model, suggestion, budget):
     flags = _recording.SHORTFALL_FLAGS
     shown = StepModels([m.with_shortfall(short, flags) for m in model.models], model.domains, model.samples) \
         if isinstance(model, StepModels) else model.with_shortfall(short, flags)
-    for m in (current.models[len(model.models):] if isinstance(model, StepModels) else current.models[1:]):
+    ours = len(model.models) if isinstance(model, StepModels) else 1
+    for m in (current.models[ours:] if isinstance(current, StepModels) else []):
         shown = with_model(shown, m)
     what = (f"; short runs at {', '.join(str(b) for b in refused)} were refused (the steps recorded did not show "
             f"all that larger sizes need), so the largest size that ran, {good}")
