@@ -466,45 +466,53 @@ def test_a_retry_given_the_callback_does_not_meet_the_failed_runs_garbage():
     # above, in CI). A fit() given MemGuardCallback after a failure collects first: here
     # 8 MiB in a cycle (automatic collection off, as when no allocation triggers it) is
     # gone at the retry's start, and a run that followed no failure leaves such garbage
-    # to Python.
+    # to Python. (Asked of the garbage itself, by a weak reference: the bytes in use at a
+    # fit()'s start hold Keras' copy of the arrays in some processes and not in others,
+    # as numpy's buffer is aligned for TensorFlow to adopt or not; the test's first form,
+    # by the bytes, failed so in CI.)
     r = run(SETUP, """
-        import gc
+        import gc, weakref
         tf_memguard.install(max_bytes="64MiB")
         m = make()
         class Probe(keras.callbacks.Callback):
+            def __init__(self, ref):
+                super().__init__()
+                self.ref = ref
             def on_train_begin(self, logs=None):
-                self.in_use = tf_memguard.stats()["bytes_in_use"]
+                self.alive = self.ref() is not None
         def garbage():
             class Holder: pass
             h = Holder(); h.me = h; h.t = tf.ones((2 << 20,))   # 8 MiB in a cycle
+            ref = weakref.ref(h)
             del h
-        def fit(size):
-            p = Probe()
+            return ref
+        def fit(size, ref=None):
+            p = Probe(ref or (lambda: None))
             try:
                 m.fit(x, y, batch_size=size, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0), p])
-                return "trained", p.in_use
+                return "trained", p.alive
             except tf.errors.ResourceExhaustedError:
-                return "oom", p.in_use
+                return "oom", p.alive
         gc.collect()
         fit(8)
         gc.disable()
         first = fit(1024)
         gc.collect()
         base = tf_memguard.stats()["bytes_in_use"]
-        garbage()
+        ref = garbage()
         held = tf_memguard.stats()["bytes_in_use"]
-        retry = fit(8)
+        retry = fit(8, ref)
         gc.collect()
-        garbage()
-        plain = fit(8)
+        ref = garbage()
+        plain = fit(8, ref)
         gc.enable()
         emit(first=first[0], base=base, held=held, retry=retry, plain=plain)
     """, env=HARD)
     assert r.returncode == 0, r
     d = r.data
     assert d["first"] == "oom" and d["held"] - d["base"] >= 8 << 20, d
-    assert d["retry"][0] == "trained" and d["retry"][1] < d["held"] - (7 << 20), d   # collected at its start
-    assert d["plain"][0] == "trained" and d["plain"][1] >= d["base"] + (8 << 20), d   # no failure: left to Python
+    assert d["retry"] == ["trained", False], d   # collected at its start
+    assert d["plain"] == ["trained", True], d    # no failure: left to Python
 
 
 def test_a_constant_too_large_for_the_budget_is_an_explained_out_of_memory_error():
