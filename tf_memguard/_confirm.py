@@ -59,7 +59,7 @@ def confirmed(sampler, keras_model, model, suggestion, budget):
             (sampler.data.n or 0) < size:
         return suggestion, model
     base = sampler.template or sampler.first
-    refused, current, short = [], model, 0.0
+    refused, current, short, failed_models = [], model, 0.0, []
     for _ in range(CONFIRM_RUNS):
         trace = sampler.short_fit(keras_model, size, all_samples=True, steps=1)
         if trace is not None and trace.complete:
@@ -70,6 +70,7 @@ def confirmed(sampler, keras_model, model, suggestion, budget):
         short = max(short, (budget - model.need(size)["peak_account"]) / size)
         if trace is not None and base is not None:
             failed = StepModel.build(trace, base, first=True, epoch=sampler.data.epoch, fresh=False)
+            failed_models.append(failed)
             current = with_model(current, failed)
         nxt = min(current.largest_fitting(budget, at_most=size - 1), int(size / (1 + RUN_SPREAD)))
         if len(refused) > 1:
@@ -87,12 +88,9 @@ def confirmed(sampler, keras_model, model, suggestion, budget):
     # The report's model (the what-if's) keeps what the refusals showed: each model of the
     # run with the shortfall as one more batch-shaped block at its start, and the refused
     # steps' models beside them.
-    flags = _recording.SHORTFALL_FLAGS
-    shown = StepModels([m.with_shortfall(short, flags) for m in model.models], model.domains, model.samples) \
-        if isinstance(model, StepModels) else model.with_shortfall(short, flags)
-    ours = len(model.models) if isinstance(model, StepModels) else 1
-    for m in (current.models[ours:] if isinstance(current, StepModels) else []):
-        shown = with_model(shown, m)
+    ours = model if isinstance(model, StepModels) else StepModels([model])
+    shown = StepModels([m.with_shortfall(short, _recording.SHORTFALL_FLAGS) for m in ours.models] + failed_models,
+                       ours.domains + ["all"] * len(failed_models), ours.samples)
     what = (f"; short runs at {', '.join(str(b) for b in refused)} were refused (the steps recorded did not show "
             f"all that larger sizes need), so the largest size that ran, {good}")
     return dataclasses.replace(suggestion, batch_size=int(good), method=suggestion.method + what,

@@ -190,9 +190,8 @@ class FailureHandling:
         # step itself (Keras builds Adam's slots of zeros sharing one buffer until the first
         # update writes them; a model of 80 MiB of weights under 256 MiB held 94 MiB more
         # after the except block and gc.collect(), all of it the slots), and they stay.
-        ref = getattr(self, "_failed_error", None)
-        still_held = ref() is not None if ref is not None else held > HELD_AFTER_FAILURE
-        if still_held and held > HELD_AFTER_FAILURE:
+        ref = getattr(self, "_failed_error", None)   # (None: the error took no weak reference)
+        if held > HELD_AFTER_FAILURE and (ref is None or ref() is not None):
             warnings.warn(f"tf_memguard: the suggestion is read while the failed fit()'s error, and with it its data, "
                           f"is still held ({format_bytes(held)} more in use than before it: inside the except block, "
                           "or with the error kept in a variable): it is worked out with that memory taken, and may "
