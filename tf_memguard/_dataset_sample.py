@@ -13,6 +13,11 @@ not meet is the pipeline itself: its buffers that do not grow with the batch siz
 (shuffle buffers, elements made by maps), which pipeline_buffers() measures in the failed
 step, and the batches it prepares ahead, which the models take from the failed step as
 they do for arrays (_recording.unmet_prepared).
+
+Where the dataset's batches vary in shape beyond the batch dimension (padded_batch() of
+sequences of many lengths), a step's memory is not a function of the batch size alone:
+the sample is padded to the longest shape of a pass over the dataset (longest_shapes),
+which some batch of any batch size holds, so that the short runs take the worst batch.
 """
 import numpy as np
 
@@ -23,12 +28,17 @@ from tf_memguard._step_trace import _ALLOC, _FREE, _OVERSHOOT, kind_of
 # just under it, and a run that confirms a size takes four of its batches
 # (_after_oom.CONFIRM_STEPS).
 BATCHES = 4
+# Batches a pass for the longest shapes reads where neither the dataset nor fit() says how
+# many an epoch has (an endless dataset without steps_per_epoch): the shapes of the first
+# that many are what the sample is padded to.
+SCAN_BATCHES = 1000
 
 
-def sample_arrays(dataset, samples):
+def sample_arrays(dataset, samples, longest=None):
     """(x, y) of the first `samples` samples of `dataset`'s batches (a fresh iterator), as
     numpy arrays or structures of them (y None when its elements have no targets); None
-    when it yields none, or not arrays with a batch dimension."""
+    when it yields none, or not arrays with a batch dimension. `longest`: the shapes beyond
+    the batch dimension to pad each leaf to at least (longest_shapes), or None."""
     import keras
     got, n = [], 0
     if isinstance(dataset, keras.utils.PyDataset):
@@ -47,9 +57,46 @@ def sample_arrays(dataset, samples):
             break
     if not got:
         return None
-    joined = keras.tree.map_structure(lambda *parts: _concatenate(parts)[:samples], *got)
+    leaves = list(zip(*(keras.tree.flatten(b) for b in got)))
+    if longest is not None and len(longest) != len(leaves):
+        longest = None
+    joined = keras.tree.pack_sequence_as(got[0], [_concatenate(parts, longest[i] if longest else None)[:samples]
+                                                  for i, parts in enumerate(leaves)])
     x, y, _ = keras.utils.unpack_x_y_sample_weight(tuple(joined) if isinstance(joined, list) else joined)
     return x, y
+
+
+def varying_shapes(dataset):
+    """True when `dataset` (tf.data) says that its batches' shapes beyond the batch
+    dimension are not fixed (an unknown dimension in its element_spec, as padded_batch()
+    of sequences of many lengths makes)."""
+    import tensorflow as tf
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return False
+    for leaf in tf.nest.flatten(spec):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and (shape.rank is None or any(d is None for d in shape.as_list()[1:])):
+            return True
+    return False
+
+
+def longest_shapes(dataset, batches=None):
+    """The largest size of each dimension beyond the batch dimension over a pass of
+    `dataset`'s batches (a fresh iterator: its whole pipeline runs, its batches are not
+    kept), leaf by leaf in keras.tree.flatten's order, as a list of tuples; at most
+    `batches` batches (default: an epoch where the dataset knows its size, else
+    SCAN_BATCHES). None where the shapes cannot be read (ragged or sparse leaves)."""
+    import tensorflow as tf
+    if batches is None:
+        count = int(dataset.cardinality())
+        batches = count if count >= 0 else SCAN_BATCHES
+    shapes = dataset.take(batches).map(lambda *e: [tf.shape(t)[1:] for t in tf.nest.flatten(e)])
+    top = None
+    for got in shapes.as_numpy_iterator():
+        got = [np.asarray(v) for v in got]
+        top = got if top is None else [np.maximum(a, b) if a.shape == b.shape else a for a, b in zip(top, got)]
+    return [tuple(int(d) for d in t) for t in top] if top is not None else None
 
 
 def pipeline_buffers(trace):
@@ -90,14 +137,17 @@ def _host(t):
     return np.array(t, copy=True)
 
 
-def _concatenate(parts):
+def _concatenate(parts, longest=None):
     """The batches `parts` of one leaf as one array. Batches of padded_batch() are padded to
     their own longest element: each is padded (with zeros, padded_batch()'s default) to
     the longest of them, so that the short runs take the sample's longest, as the
     pipeline's longest batches are (a GRU on sequences of 1 to 300 tokens: its
-    confirmation's sample failed on batches of 295 and 187 tokens)."""
+    confirmation's sample failed on batches of 295 and 187 tokens), and to `longest`
+    (the dataset's longest shape, longest_shapes) where that is longer still."""
     if isinstance(parts[0], np.ndarray):
         shapes = {p.shape[1:] for p in parts}
+        if longest is not None:
+            shapes.add(tuple(longest))
         if len(shapes) > 1 and len({len(s) for s in shapes}) == 1:
             top = tuple(max(d) for d in zip(*shapes))
             parts = [np.pad(p, [(0, 0)] + [(0, t - d) for t, d in zip(top, p.shape[1:])]) for p in parts]

@@ -35,7 +35,7 @@ class StepData:
     """
 
     def __init__(self, pool, recorder, x=None, y=None, n_samples=None, dataset=None, tf=True, own_epochs=True,
-                 validation=None):
+                 validation=None, steps=None):
         self.pool, self.recorder = pool, recorder
         self.x, self.y, self.n = x, y, n_samples
         self.tf = tf
@@ -45,6 +45,12 @@ class StepData:
         # tf.data's buffers are in).
         self._dataset = weakref.ref(dataset) if dataset is not None and tf else None
         self.from_dataset = False
+        # Whether the dataset's batches vary in shape beyond the batch dimension, and then
+        # the longest shapes of an epoch of them (leaf by leaf; taken with the sample), to
+        # which the sample is padded: _dataset_sample. `steps`: fit()'s steps per epoch.
+        self.varying = self._dataset is not None and _dataset_sample.varying_shapes(dataset)
+        self.longest = None
+        self._steps = steps
         # What bounds the batches tf.data prepares ahead: the epoch over the arrays, when
         # fit() makes one of its own per epoch (no steps_per_epoch given).
         self.epoch = _recording.epoch_of(x, y, n_samples) if tf and own_epochs and x is not None else None
@@ -162,7 +168,9 @@ class StepData:
         if dataset is None:
             return False
         try:
-            arrays = _dataset_sample.sample_arrays(dataset, _dataset_sample.BATCHES * batch_size)
+            if self.varying:
+                self.longest = _dataset_sample.longest_shapes(dataset, self._steps)
+            arrays = _dataset_sample.sample_arrays(dataset, _dataset_sample.BATCHES * batch_size, self.longest)
         except Exception as e:  # noqa: BLE001 - the advice must never stop the training
             warnings.warn(f"tf_memguard: no sample of the dataset's batches could be taken for the advice's short "
                           f"runs ({type(e).__name__}: {e})", stacklevel=4)

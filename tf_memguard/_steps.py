@@ -69,7 +69,7 @@ class StepSampler:
         # The samples the short runs take (fit()'s arrays; after an OOM on a dataset, a
         # sample of its batches).
         self.data = StepData(pool, self.recorder, x, y, n_samples, dataset=dataset, tf=self.tf,
-                             own_epochs=own_epochs, validation=validation)
+                             own_epochs=own_epochs, validation=validation, steps=steps_per_epoch)
         # Keras' pipeline has batches of a known size only when b0 divides the samples: then
         # the recorded steps run the trace with a known batch dimension ("static"), and a
         # lone step (whose new size makes TensorFlow trace the step again, relaxed to an
@@ -302,6 +302,9 @@ class StepSampler:
                     ", ".join(str(b) for b in self.after_oom) + f" (refused at {self.b0})")
             if self.data.from_dataset:
                 what += f", on the dataset's first {self.data.n} samples as arrays"
+                if self.data.longest:
+                    what += (" padded to the longest shape of its batches (" +
+                             ", ".join("x".join(str(d) for d in shape) for shape in self.data.longest if shape) + ")")
             what += "; the largest that completed"
             if self.confirmed:
                 what += f" (and {self.confirmed[1]} at {self.confirmed[0]})"

@@ -6,6 +6,7 @@ import pytest
 import tf_memguard
 from tf_memguard import _dataset_sample as ds_sample
 from tf_memguard import _step_trace
+from tfproc import HARD, run
 
 MiB = 1 << 20
 
@@ -67,3 +68,89 @@ def test_a_sample_of_padded_batches_is_padded_to_their_longest():
     assert x[1].tolist() == list(range(1, 10)) and x[2].tolist() == [1, 2] + [0] * 7
     assert tf_memguard._fit_args.dataset_batch_method(ds.padded_batch(2).prefetch(1)) == "padded_batch"
     assert tf_memguard._fit_args.dataset_batch_method(ds.batch(1).map(lambda v: v)) == "batch"
+
+
+@pytest.mark.tf
+def test_a_sample_of_batches_that_vary_in_shape_is_padded_to_the_longest_of_the_dataset():
+    # The first batches of padded_batch() need not hold the dataset's longest sequence, and
+    # every batch size has a batch that does: the sample is padded to the longest shape of
+    # a pass over the dataset's batches.
+    tf = pytest.importorskip("tensorflow")
+    seqs = [np.arange(1, k + 1, dtype=np.int32) for k in (3, 4, 2, 5, 40, 1, 6, 2)]
+    labels = np.arange(8, dtype=np.int32)
+    ds = tf.data.Dataset.from_generator(lambda: iter(zip(seqs, labels)), output_signature=(
+        tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.int32))).padded_batch(2)
+    assert ds_sample.varying_shapes(ds)
+    assert not ds_sample.varying_shapes(tf.data.Dataset.from_tensor_slices(np.zeros((8, 3, 2))).batch(2))
+    assert ds_sample.longest_shapes(ds) == [(40,), ()]          # x's length, y's scalar
+    assert ds_sample.longest_shapes(ds, batches=2) == [(5,), ()]  # the first two batches only
+    x, y = ds_sample.sample_arrays(ds, 4, ds_sample.longest_shapes(ds))
+    assert x.shape == (4, 40) and y.shape == (4,)
+    assert x[3].tolist() == [1, 2, 3, 4, 5] + [0] * 35
+    # Inputs by name: leaf by leaf, in keras.tree.flatten's order.
+    named = tf.data.Dataset.from_generator(lambda: iter(({"b": s, "a": s[:1]}, y) for s, y in zip(seqs, labels)),
+                                           output_signature=({"b": tf.TensorSpec([None], tf.int32),
+                                                              "a": tf.TensorSpec([1], tf.int32)},
+                                                             tf.TensorSpec([], tf.int32))).padded_batch(4)
+    longest = ds_sample.longest_shapes(named)
+    assert longest == [(1,), (40,), ()], longest
+    sx, sy = ds_sample.sample_arrays(named, 4, longest)
+    assert sx["b"].shape == (4, 40) and sx["a"].shape == (4, 1) and sy.shape == (4,)
+
+
+def test_after_an_oom_on_sequences_of_many_lengths_the_size_named_trains_on_the_longest():
+    # Sequences of 40 tokens but one of 600, through padded_batch(64): the steps before the
+    # long batch completed, and its step was refused. The model of the steps that completed
+    # (and short runs on the first batches, all of 40 tokens) named 59, whose retry ran
+    # out on the long batch; the sample is now padded to the longest sequence of the
+    # dataset.
+    r = run("""
+        import gc, numpy as np
+        import tf_memguard
+        tf_memguard.install(max_bytes="40MiB")
+        import keras, tensorflow as tf
+        L = keras.layers
+        rng = np.random.default_rng(0)
+        lens = np.full(512, 40)
+        lens[300] = 600
+        seqs = [rng.integers(1, 1000, k).astype("int32") for k in lens]
+        y = rng.integers(0, 2, 512).astype("int32")
+        def pipeline(size):
+            return tf.data.Dataset.from_generator(lambda: iter(zip(seqs, y)), output_signature=(
+                tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.int32))).padded_batch(size)
+        keras.utils.set_random_seed(1)
+        i = keras.Input((None,), dtype="int32")
+        h = L.Embedding(1000, 64)(i)
+        h = L.Conv1D(64, 5, activation="relu", padding="same")(h)
+        h = L.Conv1D(64, 5, activation="relu", padding="same")(h)
+        m = keras.Model(i, L.Dense(1, activation="sigmoid")(L.GlobalMaxPooling1D()(h)))
+        m.compile("adam", "binary_crossentropy")
+        ds = pipeline(64)
+        try:
+            m.fit(ds, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            outcome, notes = "trained", ""
+        except tf.errors.ResourceExhaustedError as e:
+            outcome, notes = type(e).__name__, "\\n".join(getattr(e, "__notes__", []))
+            del e
+        gc.collect()
+        rep = tf_memguard.report()
+        size, method, advice = rep.suggested_batch_size, rep.suggestion_method, rep.advice
+        del ds
+        gc.collect()
+        try:
+            m.fit(pipeline(size), epochs=2, verbose=0)
+            retry = "trained"
+        except tf.errors.ResourceExhaustedError:
+            retry = "ran out"
+        emit(outcome=outcome, notes=notes, size=size, method=method, advice=advice, retry=retry,
+             peak_reserved=tf_memguard.stats()["peak_bytes_reserved"])
+    """, env=HARD, timeout=600)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["outcome"] == "ResourceExhaustedError", d
+    # No size from the steps of other shapes in the note: it is worked out when read.
+    assert "Reduce the batch size (now 64): after the except block" in d["notes"], d["notes"]
+    assert "padded to the longest shape of its batches (600)" in d["method"], d
+    assert f".padded_batch({d['size']})" in d["advice"], d
+    assert d["retry"] == "trained" and 8 <= d["size"] < 64, d
+    assert d["peak_reserved"] <= 40 << 20, d
