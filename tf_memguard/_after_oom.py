@@ -317,9 +317,16 @@ def without_runs(sampler):
     model of one size takes every block it cannot pair as fixed below that size, and
     cannot show that no size fits (a sparse bag-of-words model refused at 630 was told
     that even a batch of 1 needs 260 MiB of its 224, where 508 trained)."""
+    model, sampler.cap = _recorded_model(sampler)
+    return model
+
+
+def _recorded_model(sampler):
+    """(without_runs()'s model or None, the cap on the advice it sets), `sampler` left as
+    it was."""
     model = sampler.model()
     if model is None:
-        return None
+        return None, sampler.cap
     if sampler.prefix is not None and sampler.template is not None:
         # Its blocks lined up with the run's second size where it has one (an epoch's
         # partial last batch), else taken as one size's.
@@ -327,11 +334,11 @@ def without_runs(sampler):
             else sampler.template
         failed = StepModel.build(sampler.prefix, other, first=True, epoch=sampler.data.epoch, fresh=False)
         model = StepModels([model, failed])
-    sampler.cap = min(sampler.cap, int(sampler.b0 / (1 + RUN_SPREAD)))
+    cap = min(sampler.cap, int(sampler.b0 / (1 + RUN_SPREAD)))
     if (sampler.template or sampler.first) is not None and \
-            model.largest_fitting(sampler.pool.stats()["bytes_limit"], at_most=sampler.advice_cap()) < 1:
-        return None   # (and where the suggestion from it names none: MemGuardCallback's OOM path)
-    return model
+            model.largest_fitting(sampler.pool.stats()["bytes_limit"], at_most=min(sampler.too_large - 1, cap)) < 1:
+        return None, cap   # (and where the suggestion from it names none: MemGuardCallback's OOM path)
+    return model, cap
 
 
 def needs_steps(sampler):
@@ -352,7 +359,14 @@ def needs_steps(sampler):
         # the steps that completed named 104, which ran out; 90 trains.)
         return True
     model = sampler.model()
-    return model is not None and model.fits(sampler.b0, sampler.pool.stats()["bytes_limit"])
+    if model is None:
+        return False
+    # Where the model says the failed size does not fit but names no smaller size either
+    # (with the failed step beside it: without_runs), it cannot place the answer. A wide
+    # MLP (84 MB of weights, Adam's slots and gradients) at 256 under 96 MiB: steps
+    # completed, waiting, then one was refused, and the report named nothing, saying that
+    # no short run had completed where none had been made.
+    return model.fits(sampler.b0, sampler.pool.stats()["bytes_limit"]) or _recorded_model(sampler)[0] is None
 
 
 def pipeline_extra(sampler):

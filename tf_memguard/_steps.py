@@ -310,9 +310,10 @@ class StepSampler:
                 what += f" (and {self.confirmed[1]} at {self.confirmed[0]})"
             return what + (f", {self.too_large} having been refused" if self.too_large < self.b0 else "")
         sizes = [t.batch_size for t in (self.template or self.first, self.other) if t is not None]
-        if not sizes and self.prefix is not None:
-            # No step completed, before the failure or in the short runs after it: what the
-            # failed step held up to its refusal is what a batch of 1 needs at least.
+        if self.prefix is not None and (not sizes or self.too_large <= 1):
+            # No step completed, before the failure or in the short runs after it (every
+            # size down to 1 refused): what the failed step held up to its refusal is what a
+            # batch of 1 needs at least.
             return f"the failed step at {self.b0} up to its refusal (no short run of fit() completed, down to a batch of 1)"
         what = "the memory model of steps at " + " and ".join(str(b) for b in sizes)
         kept = self._model.spread(self.b0) if self._model is not None else 0

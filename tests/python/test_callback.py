@@ -421,6 +421,45 @@ def test_after_an_oom_whose_failed_step_made_the_optimizers_slots_the_report_nei
     assert d["inside"] is not None and len(d["inside"]) == 1, d
 
 
+def test_after_an_oom_where_the_recorded_steps_name_no_size_short_runs_decide():
+    # A wide MLP's steps completed at 256 (they can, waiting, at the edge of the budget),
+    # then one was refused. The model of the steps that completed said 256 does not fit,
+    # and named no smaller size either (its need is nearly all weights, slots and
+    # gradients), and the report said "no short run of fit() at a smaller size completed"
+    # where none had been made, naming no budget. Here the budget is lowered after the
+    # second step (install() again) to draw that case in every process.
+    r = run("""
+        import gc, numpy as np, tensorflow as tf, keras, tf_memguard
+        tf_memguard.install(max_bytes="256MiB")
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((512,)), keras.layers.Dense(2048), keras.layers.Dense(2048),
+                              keras.layers.Dense(10)])   # 24 MiB of weights, 48 of Adam's slots
+        m.compile("adam", "mse")
+        x, y = np.zeros((2560, 512), "float32"), np.zeros((2560, 10), "float32")
+        class Lower(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == 1:
+                    tf_memguard.install(max_bytes="84MiB")
+        try:
+            m.fit(x, y, batch_size=256, epochs=1, verbose=0,
+                  callbacks=[tf_memguard.MemGuardCallback(verbose=0), Lower()])
+            first, notes = "trained", ""
+        except tf.errors.ResourceExhaustedError as e:
+            first, notes = "oom", "\\n".join(getattr(e, "__notes__", []))
+        gc.collect()
+        rep = tf_memguard.report()
+        emit(first=first, notes=notes, size=rep.suggested_batch_size, method=rep.suggestion_method,
+             advice=rep.advice)
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["first"] == "oom", d
+    assert "worked out when read with short runs" in d["notes"], d["notes"]
+    assert d["size"] == 0, d
+    assert d["method"].startswith("the failed step at 256 up to its refusal"), d["method"]
+    assert "even a batch of 1 needs more than" in d["advice"] and "Pass max_bytes of at least" in d["advice"], d
+
+
 def test_xla_over_the_budget_on_a_dataset_names_a_size_that_trains():
     # Stopped after its first step on a tf.data dataset, the run had no arrays for the step
     # at half the size, and the model of one size took XLA's buffers as fixed: "even a
