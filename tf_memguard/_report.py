@@ -339,4 +339,20 @@ def report(device=None):
                   predating_bytes=cfg.predating_bytes if cfg else 0, peak_bytes=s["peak_bytes_in_use"],
                   allocs=s["num_allocs"], refusals=s["num_refusals"],
                   overshoot_bytes_by_kind=dict(s["overshoot_bytes_by_kind"]),
-                  process_peak_rss_bytes=process_peak_rss() if device == "CPU:0" else 0)
+                  process_peak_rss_bytes=process_peak_rss() if device == "CPU:0" else 0,
+                  oom=_last_refusal(device) if s["num_refusals"] else None)
+
+
+def _last_refusal(device):
+    """What the pool last refused, for a report made without MemGuardCallback (a custom
+    training loop, train_on_batch): TensorFlow's own error names the tensor's shape, and
+    the peak above does not count the request that did not fit (a GradientTape loop whose
+    first convolution asked for 112 MiB under 64 MiB read "peak 6.32 MiB (9.9% of
+    budget)")."""
+    from tf_memguard import _install, _oom
+    refusal = _install.last_refusal(device)
+    if refusal is None:
+        return None
+    return ("the last refused request, " + _oom.refused(device, refusal) + " Reduce the batch size or pass a larger "
+            "max_bytes to tf_memguard.install(). (fit() with MemGuardCallback explains its out-of-memory errors and "
+            "names the batch size that fits; tf_memguard.find_batch_size(model, x, y) finds it for a compiled model.)")

@@ -117,6 +117,34 @@ def test_arrays_larger_than_the_budget_given_to_fit_are_named_once_and_the_proce
     assert r.data["peak_reserved"] <= r.data["limit"]
 
 
+def test_a_custom_training_loops_refusal_is_in_the_report_made_without_the_callback():
+    # A GradientTape loop has no MemGuardCallback to explain its error: report() said only
+    # "peak 6.32 MiB (9.9% of budget); ... 1 refused", the refused request not counted in
+    # the peak. It now says what was refused, what held the budget, and what to do.
+    r = run("import tf_memguard\ntf_memguard.install(max_bytes='40MiB')\n" + MODEL + """
+opt = keras.optimizers.SGD()
+m = make_model()
+loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+@tf.function
+def step(a, b):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(b, m(a, training=True))
+    opt.apply_gradients(zip(tape.gradient(loss, m.trainable_variables), m.trainable_variables))
+try:
+    step(x, y)   # 512 images: the convolution's output alone is 28 MiB, twice over in the step
+    outcome = "trained"
+except tf.errors.ResourceExhaustedError as e:
+    outcome = type(e).__name__
+text = str(tf_memguard.report())
+step(x[:32], y[:32])   # and the loop goes on at a smaller batch
+""" + REPORT.replace("emit(", "emit(text=text, "), env=HARD)
+    check_refused(r)
+    text, ref = r.data["text"], r.data["refusal"]
+    assert "out of memory: the last refused request, CPU:0: cannot allocate" in text, text
+    assert f"({ref['requested_bytes']} bytes)" in text and "of the 40.0 MiB budget in use" in text, text
+    assert "Reduce the batch size or pass a larger max_bytes" in text and "MemGuardCallback" in text, text
+
+
 def test_tf_data_pipeline_over_budget_raises_and_process_survives():
     r = run("""
         import numpy as np, tensorflow as tf, tf_memguard
