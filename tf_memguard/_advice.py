@@ -102,6 +102,15 @@ def advice_sentence(s, running):
     return f"A batch size of up to {s.batch_size}{now} fits."
 
 
+# The report's advice where MemGuardCallback could not read the batch size of fit()'s data
+# (bucket_by_sequence_length's batches of several sizes under 200 MiB: the report named
+# nothing, and said nothing of why).
+UNKNOWN_BATCH_SIZE = ("The batch size of the data given to fit() could not be read: its batches are not all of one "
+                      "size (as bucket_by_sequence_length() makes them), or no batch() was found in its pipeline. "
+                      "Where they are of one size, pass it as MemGuardCallback(batch_size=...) for the advice; "
+                      "batches of several sizes have no one size to advise.")
+
+
 def what_if(model, budget, sizes=None, at_most=None):
     """Rows (batch size, predicted peak bytes, fits) for `budget`, and the largest that fits.
 

@@ -284,6 +284,8 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
                                         self._suggestion, self._oom, model, self._n, self.leak_epochs,
                                         pending=pending,
                                         cluster=self._cluster.to_dict() if self._cluster else None)
+        if self.advice and not self._run_batch and self._budget and pending is None and not self._report.advice:
+            self._report.advice = _advice.UNKNOWN_BATCH_SIZE
         if self._talks():
             print(self._report)
 

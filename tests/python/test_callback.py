@@ -1265,6 +1265,30 @@ def test_the_batch_size_of_a_tf_data_pipeline_is_read_from_its_batch():
                       "unbatched": 4, "rebatch": None, "zipped": None, "none": 4}, r.data
 
 
+def test_where_the_batch_size_cannot_be_read_the_report_says_so_and_what_to_pass():
+    # bucket_by_sequence_length() makes batches of several sizes: the report named no size,
+    # and said nothing of why.
+    r = run("""
+        import numpy as np, tensorflow as tf, keras, tf_memguard
+        tf_memguard.install(max_bytes="128MiB")
+        rng = np.random.default_rng(0)
+        seqs = [rng.integers(1, 100, k).astype("int32") for k in rng.integers(2, 60, 200)]
+        ds = tf.data.Dataset.from_generator(lambda: iter(zip(seqs, [0] * len(seqs))), output_signature=(
+            tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.int32)))
+        ds = ds.bucket_by_sequence_length(lambda s, y: tf.shape(s)[0], [20, 40], [32, 16, 8])
+        m = keras.Sequential([keras.Input((None,), dtype="int32"), keras.layers.Embedding(100, 8),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+        m.compile("adam", "mse")
+        m.fit(ds, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        rep = tf_memguard.report()
+        emit(size=rep.suggested_batch_size, advice=rep.advice, text=str(rep))
+    """)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["size"] is None and "could not be read" in d["advice"], d
+    assert "MemGuardCallback(batch_size=...)" in d["advice"] and "none named. The batch size" in d["text"], d
+
+
 def test_the_partial_last_batch_of_a_tf_data_pipeline_is_known_where_every_epoch_ends_with_it():
     r = run("""
         import numpy as np, tensorflow as tf
