@@ -169,7 +169,12 @@ class StepData:
             return False
         try:
             if self.varying:
-                self.longest = _dataset_sample.longest_shapes(dataset, self._steps)
+                try:
+                    self.longest = _dataset_sample.longest_shapes(dataset, self._steps)
+                except Exception as e:  # noqa: BLE001 - a sample padded to its own longest is still worth having
+                    warnings.warn(f"tf_memguard: the longest shapes of the dataset's batches could not be read "
+                                  f"({type(e).__name__}: {e}); the short runs take the longest of the sample's",
+                                  stacklevel=4)
             arrays = _dataset_sample.sample_arrays(dataset, _dataset_sample.BATCHES * batch_size, self.longest)
         except Exception as e:  # noqa: BLE001 - the advice must never stop the training
             warnings.warn(f"tf_memguard: no sample of the dataset's batches could be taken for the advice's short "
