@@ -52,6 +52,27 @@ def oom_errors():
     return (tf.errors.ResourceExhaustedError,)
 
 
+def require_keras3_model(model, what):
+    """Raises TypeError, saying what to do, when `model` is not a Keras 3 model: a tf_keras
+    (Keras 2) model, as tf.keras makes with TF_USE_LEGACY_KERAS=1, or anything else.
+    MemGuardCallback and find_batch_size read Keras 3's fit(); under tf_keras the
+    callback failed with "'MemGuardCallback' object has no attribute
+    '_implements_train_batch_hooks'". install()'s budget holds for any TensorFlow
+    tensors, tf_keras' included."""
+    import keras
+    if isinstance(model, keras.Model):
+        return
+    module = type(model).__module__
+    if module.split(".")[0] == "tf_keras":
+        raise TypeError(f"tf_memguard: {what} works with Keras 3 models (the `keras` package), and this is a "
+                        "tf_keras (Keras 2) model, as tf.keras makes with TF_USE_LEGACY_KERAS=1. The budget of "
+                        "tf_memguard.install() holds for it all the same, and tf_memguard.report() reports the "
+                        "pool (the last refused request among it); for the per-epoch peaks and the advice, build "
+                        "the model with `import keras` (Keras 3) instead of tf.keras with TF_USE_LEGACY_KERAS=1.")
+    raise TypeError(f"tf_memguard: {what} takes a Keras 3 model (keras.Model), not "
+                    f"{module}.{type(model).__name__}")
+
+
 def framework_name():
     return {"torch": "PyTorch", "jax": "JAX"}.get(framework(), "TensorFlow")
 

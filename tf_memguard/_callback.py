@@ -104,6 +104,10 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
         self._report = None
         self._run_token = None
 
+    def set_model(self, model):
+        _backend.require_keras3_model(model, "MemGuardCallback")
+        super().set_model(model)
+
     # -- per-run state -----------------------------------------------------------------
 
     def on_train_begin(self, logs=None):

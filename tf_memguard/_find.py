@@ -94,6 +94,7 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         >>> size = tf_memguard.find_batch_size(model, x_train, y_train)
         >>> model.fit(x_train, y_train, batch_size=size)
     """
+    _backend.require_keras3_model(model, "find_batch_size")
     if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
         raise ValueError("find_batch_size(model=...): compile the model first (model.compile(...))")
     for name, data in (("x", x), ("y", y)):
