@@ -213,6 +213,10 @@ void* pool::allocate_waiting(std::size_t bytes, std::size_t alignment, unsigned 
     void* p = allocate_now(bytes, alignment, quiet, error);
     if (p != nullptr || error->status != TFMG_ERROR_OUT_OF_MEMORY) return p;
   }
+  // A request larger than the whole budget can never be served, whatever other threads
+  // free: refused at once (a GradientTape step's 112 MiB convolution under 64 MiB waited
+  // the full second before its refusal).
+  if (exceeds_budget(bytes)) return allocate_now(bytes, alignment, flags, error);
   void* p = nullptr;
   std::int64_t waited = 0;
   p = waiter_.wait(
@@ -226,6 +230,11 @@ void* pool::allocate_waiting(std::size_t bytes, std::size_t alignment, unsigned 
   // wait is kept for the refusal the caller records next on this thread.
   t_waited_ns = waited;
   return allocate_now(bytes, alignment, flags, error);
+}
+
+bool pool::exceeds_budget(std::size_t bytes) {
+  std::lock_guard<pool_lock> lock(mutex_);
+  return limit_ != 0 && bytes > limit_;
 }
 
 void* pool::allocate_now(std::size_t bytes, std::size_t alignment, unsigned flags,

@@ -50,6 +50,22 @@ def test_a_wait_without_frees_is_refused_with_how_long_it_waited_and_the_next_at
     p.close()
 
 
+def test_a_request_larger_than_the_whole_budget_is_refused_without_waiting():
+    # No free can make room for it: it waited the full wait before (a GradientTape step's
+    # 112 MiB convolution under 64 MiB, "after waiting 1.00 s").
+    p, held = held_pool(5.0)
+    with pytest.raises(_core.OutOfBudgetError) as e:
+        p.allocate(5 * MiB, wait=True)
+    assert "waited" not in str(e.value)
+    assert p.last_refusal()["waited_ns"] == 0 and p.stats()["num_waits"] == 0
+    # One that would fit once others free still waits, and is served.
+    threading.Timer(0.05, p.free, args=(held,)).start()
+    got = p.allocate(4 * MiB, wait=True)
+    assert p.stats()["num_waits_served"] == 1
+    p.free(got)
+    p.close()
+
+
 def test_without_wait_or_with_must_succeed_a_request_never_waits():
     p, held = held_pool(5.0)
     t0 = time.monotonic()
