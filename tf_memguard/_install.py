@@ -178,18 +178,24 @@ def _gpu_pool(device):
         raise RuntimeError(f"device={device!r}: {e}") from None
 
 
+# What to do for a budget on the CPU where Keras runs on PyTorch (its CPU allocator has no hook).
+_CPU_ON_TORCH = ("For a budget on the CPU, run Keras on its TensorFlow backend (KERAS_BACKEND=tensorflow, with "
+                 "tensorflow-cpu installed before tf_memguard), whose CPU allocator tf_memguard replaces.")
+
+
 def _torch_pool(device):
     """Creates the pool of GPU:<n> over CUDA memory and makes PyTorch allocate from it."""
     if device == "CPU:0":
         raise ValueError("device='CPU:0': on Keras' torch backend tf_memguard budgets CUDA memory "
-                         "(PyTorch's CPU allocator cannot be replaced); use device='cuda:0'")
+                         "(PyTorch's CPU allocator cannot be replaced); use device='cuda:0'. " + _CPU_ON_TORCH)
     import torch
 
     index = int(device.split(":")[1])
     if not torch.cuda.is_available() or index >= torch.cuda.device_count():
         raise RuntimeError(f"device={device!r}: PyTorch {torch.__version__} sees "
                            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA device(s)"
-                           + ("" if torch.version.cuda else " (a CPU-only build of PyTorch)"))
+                           + ("" if torch.version.cuda else " (a CPU-only build of PyTorch)")
+                           + ". On Keras' torch backend tf_memguard budgets a GPU's memory. " + _CPU_ON_TORCH)
     glue = _backend.torch_glue_path()
     if not os.path.exists(glue):
         raise RuntimeError("tf_memguard was installed without its PyTorch glue (PyTorch was not in the "

@@ -133,8 +133,10 @@ def test_install_on_the_torch_backend_says_what_is_wrong_without_a_gpu():
     assert d is not None, r
     assert d["cpu"].startswith("ValueError") and "cuda:0" in d["cpu"]
     assert "lots" in d["bad"] and d["sum"] == 6.0
+    assert "KERAS_BACKEND=tensorflow" in d["cpu"], d   # what to do for a budget on the CPU
     if not d["cuda"]:
         assert d["cuda:0"].startswith("RuntimeError") and "sees 0 CUDA device(s)" in d["cuda:0"]
+        assert "KERAS_BACKEND=tensorflow" in d["cuda:0"], d
 
 
 def test_the_tensorflow_backend_is_unchanged_by_an_installed_torch():
