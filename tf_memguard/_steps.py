@@ -17,7 +17,8 @@ In a run of fit() at batch size b0 (see MemGuardCallback):
   modelled;
 - the second size: the first epoch's partial last batch when there is one of a useful
   size (a step fit() runs anyway), else a short fit() of its own at b0 // 2 on the first
-  samples of the arrays (one step, recorded; the model restored exactly). It tells
+  samples of the arrays (one step, recorded; the model restored exactly; at 2 from a
+  run at 1). It tells
   which untagged blocks change with the batch, and which tagged ones stop growing
   (workspaces TensorFlow caps). With b0 dividing the samples, the run's steps have a
   known batch dimension; the short fit()'s last batch is partial, so its steps stand for
@@ -215,9 +216,13 @@ class StepSampler:
         """The short fit()'s step at half the running size (the lone step), where fit()
         showed no second size: after the first epoch, or when a run is stopped after its
         first step (XLA's buffers or oneDNN's kernels granted over the budget)."""
-        if (self.template or self.first) is not None and self.other is None and self.b0 > 1 \
+        # At a batch of 1, the second size is 2: with one size, every block no batch tag
+        # marks is taken as possibly proportional, and a CNN at 1 under 96 MiB was advised
+        # 2, where a hundred fit.
+        size = self.b0 // 2 if self.b0 > 1 else 2
+        if (self.template or self.first) is not None and self.other is None and (self.data.n or 2) >= size \
                 and not self.collective and _fit_args.fixed_batch_size(model) is None:
-            self.lone = self.short_fit(model, max(1, self.b0 // 2), steps=LONE_STEPS)
+            self.lone = self.short_fit(model, size, steps=LONE_STEPS)
             self.other = self.lone if self.lone is not None and self.lone.complete else None
             # What a step of the run holds beside its own batch that the short run's step
             # (one step per execution) did not: the batch steps_per_execution's loop fetches.

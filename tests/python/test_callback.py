@@ -460,6 +460,36 @@ def test_after_an_oom_where_the_recorded_steps_name_no_size_short_runs_decide():
     assert "even a batch of 1 needs more than" in d["advice"] and "Pass max_bytes of at least" in d["advice"], d
 
 
+def test_at_a_batch_of_one_the_second_size_is_two_and_the_advice_names_a_useful_size():
+    # With no size below 1, the run had one size, every block no batch tag marks was taken
+    # as possibly proportional, and a CNN at 1 under 96 MiB was advised 2 (121 trains).
+    r = run("""
+        import numpy as np, tensorflow as tf, keras, tf_memguard
+        tf_memguard.install(max_bytes="96MiB")
+        L = keras.layers
+        rng = np.random.default_rng(0)
+        x = rng.random((256, 32, 32, 3), dtype=np.float32)
+        y = rng.integers(0, 10, 256)
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((32, 32, 3)), L.Conv2D(32, 3, activation="relu"),
+                              L.Conv2D(64, 3, activation="relu"), L.GlobalAveragePooling2D(), L.Dense(10)])
+        m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        m.fit(x, y, batch_size=1, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        rep = tf_memguard.report()
+        size = rep.suggested_batch_size
+        try:
+            m.fit(x, y, batch_size=size, epochs=2, verbose=0)
+            retry = "trained"
+        except tf.errors.ResourceExhaustedError:
+            retry = "ran out"
+        emit(size=size, method=rep.suggestion_method, retry=retry)
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["method"].startswith("the memory model of steps at 1 and 2"), d
+    assert d["size"] >= 32 and d["retry"] == "trained", d
+
+
 def test_xla_over_the_budget_on_a_dataset_names_a_size_that_trains():
     # Stopped after its first step on a tf.data dataset, the run had no arrays for the step
     # at half the size, and the model of one size took XLA's buffers as fixed: "even a
