@@ -134,8 +134,11 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
         x, y = fit_args.get("x"), fit_args.get("y")
         # Arrays, or tensors (a tf.SparseTensor, strings): the short runs batch them as fit() does.
         arrays = _fit_args.is_arrays(x) or _fit_args.is_sliceable(x)
-        self._run_batch = self.batch_size or _fit_args.batch_size(fit_args)
         self._n = _fit_args.training_samples(fit_args)
+        # A batch_size above the samples runs them all as one batch: that is the size run
+        # (at 4,096 on 300 images the report named nothing, and after an OOM quoted a budget for 4,096).
+        self._run_batch = _fit_args.run_batch_size(self.batch_size or _fit_args.batch_size(fit_args),
+                                                   self._n if arrays else None)
         self._monitor = _monitor.Monitor(self._pool, self._budget)
         self._sampler = None
         if self.advice and self._run_batch:

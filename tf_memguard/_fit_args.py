@@ -126,6 +126,12 @@ def batch_size(fit_args):
     return None
 
 
+def run_batch_size(size, samples):
+    """The batch size fit() runs: `size`, or `samples` where the arrays hold fewer (Keras
+    then batches them all as one)."""
+    return min(size, samples) if size and samples else size
+
+
 def py_dataset_batch_size(x):
     """A keras.utils.PyDataset's batch size: its first batch's first dimension (Keras
     itself reads its first batches, x[0] on, for their specs before fit() runs), or None

@@ -490,6 +490,41 @@ def test_at_a_batch_of_one_the_second_size_is_two_and_the_advice_names_a_useful_
     assert d["size"] >= 32 and d["retry"] == "trained", d
 
 
+def test_a_batch_size_above_the_samples_is_taken_as_the_one_batch_fit_runs():
+    # fit(batch_size=4096) on 300 samples runs one batch of 300: the report named nothing
+    # (no step was of 4,096), and after an OOM quoted the budget for 4,096.
+    r = run("""
+        import gc, numpy as np, tensorflow as tf, keras, tf_memguard
+        L = keras.layers
+        rng = np.random.default_rng(0)
+        x = rng.random((300, 32, 32, 3), dtype=np.float32)
+        y = rng.integers(0, 10, 300)
+        def make():
+            keras.utils.set_random_seed(0)
+            m = keras.Sequential([keras.Input((32, 32, 3)), L.Conv2D(32, 3, activation="relu"),
+                                  L.Conv2D(64, 3, activation="relu"), L.GlobalAveragePooling2D(), L.Dense(10)])
+            m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            return m
+        tf_memguard.install(max_bytes="256MiB")
+        make().fit(x, y, batch_size=4096, epochs=2, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        fits = tf_memguard.report()
+        tf_memguard.install(max_bytes="64MiB")
+        m = make()
+        try:
+            m.fit(x, y, batch_size=4096, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        except tf.errors.ResourceExhaustedError:
+            pass
+        gc.collect()
+        oom = tf_memguard.report()
+        emit(size=fits.suggested_batch_size, method=fits.suggestion_method, oom_size=oom.suggested_batch_size,
+             oom_advice=oom.advice)
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["size"] == 300 and d["method"].startswith("the memory model of steps at 300"), d
+    assert 0 < d["oom_size"] < 300 and "(now 300)" in d["oom_advice"] and "for 300)" in d["oom_advice"], d
+
+
 def test_xla_over_the_budget_on_a_dataset_names_a_size_that_trains():
     # Stopped after its first step on a tf.data dataset, the run had no arrays for the step
     # at half the size, and the model of one size took XLA's buffers as fixed: "even a
