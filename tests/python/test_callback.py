@@ -399,7 +399,10 @@ def test_after_an_oom_whose_failed_step_made_the_optimizers_slots_the_report_nei
         del m
         gc.collect()
         tf_memguard.install(max_bytes="64MiB")
-        m2 = keras.Sequential([keras.Input((512,)), keras.layers.Dense(2048), keras.layers.Dense(10)])
+        # Dense(4096)'s output at 4,096 rows is 64 MiB, the whole budget: it cannot fit beside the
+        # 8 MiB of weights, whatever order the kernels run in and however long a request waits
+        # (with Dense(2048), 32 MiB, a dW-before-dx order with a wait trained once in CI).
+        m2 = keras.Sequential([keras.Input((512,)), keras.layers.Dense(4096), keras.layers.Dense(10)])
         m2.compile("adam", "mse")
         big = np.ones((4096, 512), "float32")   # Keras' copy of it: 8 MiB
         try:
