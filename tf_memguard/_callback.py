@@ -161,6 +161,8 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
         self._report = None
         self._run_token = object()
         self._wrapped = _guard.wrap(self.model, self)
+        self._nested_phase = None
+        _guard.wrap_calls(self.model, self)
         _guard.guard_callbacks(fit_args.get("callbacks"), self)
 
     def _check_serving(self):

@@ -53,6 +53,7 @@ class FailureHandling:
 
     def _unwrap_train_function(self):
         _guard.unwrap(self.model, getattr(self, "_wrapped", None))
+        _guard.unwrap_calls(self.model)
         self._wrapped = None
         self._run_token = None
 

@@ -3,7 +3,8 @@ step, and TensorFlow's error for a constant the pool refused, get the callback's
 explanation; any exception (Ctrl-C too) leaves nothing switched on. A wrapper left by a
 run that ended without on_train_end is replaced, whichever callback made it. The running
 fit()'s CallbackList is guarded too, so that an exception raised by another callback
-(Ctrl-C landing in one, a callback's error) leaves nothing switched on either."""
+(Ctrl-C landing in one, a callback's error) leaves nothing switched on either; and the
+evaluate() and predict() a callback calls inside fit() get the callback's evaluation guard."""
 import weakref
 
 from tf_memguard import _recording
@@ -88,3 +89,61 @@ def guard_callbacks(callback_list, callback):
 def unwrap(model, wrapped):
     if wrapped is not None and getattr(model, "train_function", None) is not wrapped:
         model.train_function = wrapped
+
+
+# evaluate() and predict() called inside fit() by a callback (a test set evaluated at each
+# epoch's end, images predicted for a log): their CallbackLists do not hold
+# MemGuardCallback, so its evaluation guard (_inference) would not see their steps, and an
+# out-of-memory error of theirs left fit() with no note, no report and no size (a CNN's
+# evaluate(batch_size=512) in on_epoch_end under 128 MiB). During the run the model's
+# evaluate and predict give such a call a forwarder to the callback's hooks. fit()'s own
+# validation passes _use_cached_eval_dataset=True, and its CallbackList holds the callback.
+_CALLBACKS_POSITION = {"evaluate": 6, "predict": 4}   # the index of `callbacks` among the arguments
+
+
+def wrap_calls(model, callback):
+    owner = weakref.ref(callback)
+    run = callback._run_token
+    for name in _CALLBACKS_POSITION:
+        current = getattr(model, name, None)
+        if current is None or getattr(current, "_tf_memguard_nested", False):
+            continue
+
+        def nested_call(*args, _call=current, _name=name, **kwargs):
+            cb = owner()
+            given = kwargs.get("callbacks")
+            if cb is None or cb._run_token is not run or kwargs.get("_use_cached_eval_dataset") or \
+                    _recording.in_own_steps() or len(args) > _CALLBACKS_POSITION[_name] or \
+                    not isinstance(given, (list, tuple, type(None))):
+                return _call(*args, **kwargs)
+            kwargs["callbacks"] = list(given or []) + [_forwarder(cb)]
+            return _call(*args, **kwargs)
+
+        nested_call._tf_memguard_nested = True
+        setattr(model, name, nested_call)
+
+
+def unwrap_calls(model):
+    for name in _CALLBACKS_POSITION:
+        if model is not None and getattr(vars(model).get(name), "_tf_memguard_nested", False):
+            delattr(model, name)
+
+
+def _forwarder(callback):
+    """A Keras callback that passes a nested call's begin and end to `callback`."""
+    import keras
+
+    class NestedCall(keras.callbacks.Callback):
+        def on_test_begin(self, logs=None):
+            callback._nested_begin("test")
+
+        def on_test_end(self, logs=None):
+            callback._nested_end("test")
+
+        def on_predict_begin(self, logs=None):
+            callback._nested_begin("predict")
+
+        def on_predict_end(self, logs=None):
+            callback._nested_end("predict")
+
+    return NestedCall()

@@ -62,6 +62,15 @@ class EvaluationGuard:
     def on_predict_end(self, logs=None):
         self._evaluation_end("predict")
 
+    def _nested_begin(self, phase):
+        """An evaluate() or predict() a callback called inside fit() (_guard.wrap_calls)."""
+        self._nested_phase = phase
+        self._evaluation_begin(phase)
+
+    def _nested_end(self, phase):
+        self._evaluation_end(phase)
+        self._nested_phase = None
+
     def _evaluation_begin(self, phase):
         if _backend.framework() == "jax" or self.model is None:
             return   # (Keras' JAX backend: XLA's cap, no pool to ask)
@@ -143,10 +152,16 @@ class EvaluationGuard:
         refusal = pool.last_refusal()
         method_name = _PHASES[phase][0]
         args = _fit_args.call_arguments(method_name)
-        in_fit = phase == "test" and bool(_fit_args.fit_arguments()) and \
-            getattr(self, "_run_token", None) is not None and getattr(self, "_active", False)
-        call, argument = ("fit()'s validation", "validation_batch_size") if in_fit else (f"{method_name}()",
-                                                                                          "batch_size")
+        running_fit = bool(_fit_args.fit_arguments()) and getattr(self, "_run_token", None) is not None and \
+            getattr(self, "_active", False)
+        nested = running_fit and getattr(self, "_nested_phase", None) == phase
+        in_fit = phase == "test" and running_fit and not nested   # fit()'s own validation
+        if in_fit:
+            call, argument = "fit()'s validation", "validation_batch_size"
+        elif nested:
+            call, argument = f"the {method_name}() a callback called inside fit()", "batch_size"
+        else:
+            call, argument = f"{method_name}()", "batch_size"
         x, y, weights = args.get("x"), args.get("y"), args.get("sample_weight")
         arrays = _fit_args.is_arrays(x) or _fit_args.is_sliceable(x)
         if arrays:
@@ -159,7 +174,7 @@ class EvaluationGuard:
             for ref in getattr(self, "_predict_batches", None) or []:
                 if ref() is not None:
                     ref().release()
-        if in_fit:
+        if in_fit or nested:
             self._monitor.hold_window()   # the validation's peak is the run's
         if arrays and running:
             try:
@@ -173,7 +188,7 @@ class EvaluationGuard:
             size, method = None, ("no step of another size can be taken from a generator or PyDataset: make its "
                                   "batches smaller")
         note = _oom.evaluation(device, refusal, call, argument, running, size, method)
-        if in_fit:
+        if in_fit or nested:   # the fit() ends with this error
             self._end_abruptly()
             drop_validation_iterator(self.model)
             self._oom = note

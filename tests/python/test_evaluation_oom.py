@@ -257,3 +257,57 @@ def test_a_line_that_a_step_which_ran_out_contradicts_is_not_scaled_from():
     d = r.data
     assert "evaluate()'s, at batch_size=4096" in d.get("note", ""), d
     assert not d["over"] and (d["size"] is None or d.get("retry") == "ran"), d
+
+
+def test_an_evaluate_or_predict_a_callback_calls_inside_fit_is_explained_and_its_size_runs():
+    # A callback that evaluates (or predicts) a held-out set at each epoch's end, at a batch
+    # too large for the budget: MemGuardCallback is not in that call's callbacks. Before,
+    # the error carried no note and the report no refusal's step (outside-model check,
+    # 2026-12-06: evaluate(batch_size=512) in on_epoch_end of a CNN fit at 32 under 128 MiB).
+    r = run(CNN, """
+        xt, yt = x[:1024], y[:1024]
+        class EachEpoch(keras.callbacks.Callback):
+            def __init__(self, call, size):
+                super().__init__(); self.call, self.size = call, size
+            def on_epoch_end(self, epoch, logs=None):
+                if self.call == "evaluate":
+                    self.model.evaluate(xt, yt, batch_size=self.size, verbose=0)
+                else:
+                    self.model.predict(xt, batch_size=self.size, verbose=0)
+        out = {}
+        for call in ("evaluate", "predict"):
+            try:
+                m.fit(x[:512], y[:512], batch_size=32, epochs=1, verbose=0,
+                      callbacks=[EachEpoch(call, 1024), tf_memguard.MemGuardCallback(verbose=0)])
+                out[call] = "completed"
+            except tf.errors.ResourceExhaustedError as e:
+                out[call + "_note"] = (getattr(e, "__notes__", None) or [""])[-1]
+                out[call + "_size"] = named(out[call + "_note"], "batch_size")
+            gc.collect()
+            out[call + "_report_oom"] = tf_memguard.report().oom or ""
+            out[call + "_wrapped_after"] = "evaluate" in vars(m) or "predict" in vars(m)
+            if out.get(call + "_size"):
+                m.fit(x[:512], y[:512], batch_size=32, epochs=1, verbose=0,
+                      callbacks=[EachEpoch(call, out[call + "_size"]), tf_memguard.MemGuardCallback(verbose=0)])
+                out[call + "_retry"] = "trained"
+        # fit()'s own validation is still named as such.
+        try:
+            m.fit(x[:512], y[:512], batch_size=32, epochs=1, verbose=0, validation_data=(x, y),
+                  validation_batch_size=2048, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+        except tf.errors.ResourceExhaustedError as e:
+            out["validation_note"] = (getattr(e, "__notes__", None) or [""])[-1]
+        s = tf_memguard.stats()
+        out["over"] = s["peak_bytes_reserved"] > s["bytes_limit"]
+        emit(**out)
+    """)
+    assert r.returncode == 0, r
+    d = r.data
+    for call in ("evaluate", "predict"):
+        note = d.get(call + "_note", "")
+        assert f"the {call}() a callback called inside fit(), at batch_size=1024" in note, d
+        assert "cannot allocate" in note and "largest free block" in note, d
+        assert d[call + "_report_oom"] == note[len("tf_memguard: "):], d
+        assert 1 <= (d[call + "_size"] or 0) < 1024 and d.get(call + "_retry") == "trained", d
+        assert not d[call + "_wrapped_after"], d
+    assert "fit()'s validation's, at validation_batch_size=2048" in d.get("validation_note", ""), d
+    assert not d["over"], d
