@@ -115,31 +115,37 @@ class EvaluationGuard:
 
         guarded._tf_memguard_original = current
         setattr(self.model, attribute, guarded)
-        if phase == "predict":
-            # predict() takes each batch from tf.data in Python, outside predict_function:
-            # a batch the pool refuses is refused there (at 2,048 64x64 images under 384
-            # MiB, the gather that slices it).
-            # After a failure the wrapper lets go of tf.data's iterator, and with it the
-            # batches prepared ahead (two of the three batches of 1,057 64x64 images held
-            # while the size was looked for, 99 of 149 MiB).
-            epochs = _fit_args.call_arguments("predict").get("epoch_iterator")
-            batches = getattr(epochs, "_get_iterator", None)
-            if batches is not None and "_get_iterator" not in vars(epochs):
+        # Keras makes the call's iterator over its batches in Python, outside the step's
+        # function: where the budget was full its creation was refused ("OOM when allocating
+        # tensor with shape[] and type resource", AnonymousIteratorV3), and the error left
+        # without a note (an evaluate() a callback called inside fit(), beside fit()'s copy
+        # of its arrays). The iterator is made through `explained`.
+        # predict() also takes each batch from tf.data in Python, outside predict_function:
+        # a batch the pool refuses is refused there (at 2,048 64x64 images under 384 MiB,
+        # the gather that slices it). After a failure the wrapper lets go of tf.data's
+        # iterator, and with it the batches prepared ahead (two of the three batches of
+        # 1,057 64x64 images held while the size was looked for, 99 of 149 MiB).
+        epochs = _fit_args.call_arguments(_PHASES[phase][0]).get("epoch_iterator")
+        batches = getattr(epochs, "_get_iterator", None)
+        if batches is not None and "_get_iterator" not in vars(epochs):
+            if phase == "predict":
                 def wrapped():
                     iterator = _Explained(batches(), explained)
                     made.append(weakref.ref(iterator))
                     return iterator
                 made = []
-                epochs._get_iterator = wrapped
                 self._predict_batches = made
+            else:   # (the test function takes the iterator itself, and its batches in its graph)
+                def wrapped():
+                    return _MadeExplained(batches(), explained)
+            epochs._get_iterator = wrapped
 
     def _evaluation_end(self, phase):
         if self.model is None:
             return
-        if phase == "predict":
-            epochs = _fit_args.call_arguments("predict").get("epoch_iterator")
-            if epochs is not None and "_get_iterator" in vars(epochs):
-                del epochs._get_iterator
+        epochs = _fit_args.call_arguments(_PHASES[phase][0]).get("epoch_iterator")
+        if epochs is not None and "_get_iterator" in vars(epochs):
+            del epochs._get_iterator
         attribute = _PHASES[phase][1]
         current = getattr(self.model, attribute, None)
         original = getattr(current, "_tf_memguard_original", None)
@@ -201,7 +207,7 @@ class _Explained:
     """An iterator of batches whose next() goes through `explained` (see above)."""
 
     def __init__(self, batches, explained):
-        self._batches, self._explained = iter(batches), explained
+        self._batches, self._explained = explained(iter, batches), explained
 
     def __iter__(self):
         return self
@@ -214,6 +220,16 @@ class _Explained:
     def release(self):
         """Lets go of the iterator (after its call failed: nothing takes from it again)."""
         self._batches = None
+
+
+class _MadeExplained:
+    """Batches whose iterator is made through `explained` (see above)."""
+
+    def __init__(self, batches, explained):
+        self._batches, self._explained = batches, explained
+
+    def __iter__(self):
+        return self._explained(iter, self._batches)
 
 
 def drop_validation_iterator(model):

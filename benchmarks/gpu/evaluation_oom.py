@@ -7,7 +7,9 @@ largest size that runs, by bisection in fresh processes, for the ratio.
 
 Usage: KERAS_BACKEND=torch python3 benchmarks/gpu/evaluation_oom.py --out DIR
 (also runs on the TensorFlow backend on the CPU). Writes DIR/gpu_evaluation_oom.json on
-Keras' torch backend, DIR/cpu_evaluation_oom.json on TensorFlow's."""
+Keras' torch backend, DIR/cpu_evaluation_oom.json on TensorFlow's (with --calls
+nested_evaluate,nested_predict, an evaluate() or predict() a callback calls at each
+epoch's end of a fit() at 64: ..._evaluation_oom_nested.json)."""
 import argparse
 import json
 import os
@@ -35,8 +37,21 @@ m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 oom = tf_memguard._backend.oom_errors()
 out = {"call": CALL, "size": SIZE}
 
+class EachEpoch(keras.callbacks.Callback):
+    """A user's callback that evaluates (or predicts) at each epoch's end, inside fit()."""
+    def __init__(self, size):
+        super().__init__()
+        self.size = size
+    def on_epoch_end(self, epoch, logs=None):
+        if CALL == "nested_evaluate":
+            self.model.evaluate(x, y, batch_size=self.size, verbose=0)
+        else:
+            self.model.predict(x, batch_size=self.size, verbose=0)
+
 def attempt(size, callbacks):
-    if CALL == "validation":
+    if CALL.startswith("nested_"):
+        m.fit(x[:1024], y[:1024], batch_size=64, epochs=1, verbose=0, callbacks=[EachEpoch(size)] + callbacks)
+    elif CALL == "validation":
         m.fit(x[:1024], y[:1024], batch_size=64, epochs=1, verbose=0, validation_data=(x, y),
               validation_batch_size=size, callbacks=callbacks)
     elif CALL == "evaluate":
@@ -127,7 +142,8 @@ def main():
     ap.add_argument("--probe", type=int, default=0,
                     help="first, a step's growth at this size, half and a quarter: test_on_batch() and "
                          "predict_on_batch() against evaluate() and predict()")
-    ap.add_argument("--calls", default="validation,evaluate,predict")
+    ap.add_argument("--calls", default="validation,evaluate,predict",
+                    help="of validation, evaluate, predict, nested_evaluate, nested_predict")
     a = ap.parse_args()
     rows, probe = [], None
     if a.probe:
@@ -160,12 +176,16 @@ def main():
         rows.append(r)
     os.makedirs(a.out, exist_ok=True)
     name = "gpu" if os.environ.get("KERAS_BACKEND") == "torch" else "cpu"
-    with open(os.path.join(a.out, f"{name}_evaluation_oom.json"), "w") as f:
+    if all(c.startswith("nested_") for c in a.calls.split(",")):
+        name += "_evaluation_oom_nested"
+    else:
+        name += "_evaluation_oom"
+    with open(os.path.join(a.out, f"{name}.json"), "w") as f:
         json.dump({"budget": a.budget, "failed_size": a.failed, "probe": probe,
                    "rows": rows}, f, indent=1)
-    print(f"{'call':<12}{'named':>8}{'retry':>16}{'largest ran':>13}{'ran out at':>12}{'ratio':>8}")
+    print(f"{'call':<16}{'named':>8}{'retry':>16}{'largest ran':>13}{'ran out at':>12}{'ratio':>8}")
     for r in rows:
-        print(f"{r['call']:<12}{str(r.get('named')):>8}{str(r.get('retry')):>16}{r['largest_that_ran']:>13}"
+        print(f"{r['call']:<16}{str(r.get('named')):>8}{str(r.get('retry')):>16}{r['largest_that_ran']:>13}"
               f"{r['smallest_out_of_memory']:>12}{str(r['named_over_largest']):>8}")
 
 

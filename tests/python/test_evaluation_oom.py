@@ -290,6 +290,21 @@ def test_an_evaluate_or_predict_a_callback_calls_inside_fit_is_explained_and_its
                 m.fit(x[:512], y[:512], batch_size=32, epochs=1, verbose=0,
                       callbacks=[EachEpoch(call, out[call + "_size"]), tf_memguard.MemGuardCallback(verbose=0)])
                 out[call + "_retry"] = "trained"
+        # Arrays larger than the budget: Keras' copy of them cannot be refused (it is granted
+        # over the budget), so the iterator over them is refused as it is made, outside the
+        # evaluation step, where the error had no note (a 64x64 CNN under 256 MiB,
+        # benchmarks/gpu/evaluation_oom.py --calls nested_evaluate).
+        big = np.zeros((17200, 32, 32, 3), "float32")   # 202 MiB
+        class Big(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                self.model.evaluate(big, np.zeros(len(big), "int64"), batch_size=64, verbose=0)
+        try:
+            m.fit(x[:512], y[:512], batch_size=32, epochs=1, verbose=0,
+                  callbacks=[Big(), tf_memguard.MemGuardCallback(verbose=0)])
+        except tf.errors.ResourceExhaustedError as e:
+            out["big_note"] = (getattr(e, "__notes__", None) or [""])[-1]
+        del big
+        gc.collect()
         # fit()'s own validation is still named as such.
         try:
             m.fit(x[:512], y[:512], batch_size=32, epochs=1, verbose=0, validation_data=(x, y),
@@ -309,5 +324,8 @@ def test_an_evaluate_or_predict_a_callback_calls_inside_fit_is_explained_and_its
         assert d[call + "_report_oom"] == note[len("tf_memguard: "):], d
         assert 1 <= (d[call + "_size"] or 0) < 1024 and d.get(call + "_retry") == "trained", d
         assert not d[call + "_wrapped_after"], d
+    big = d.get("big_note", "")
+    assert "the evaluate() a callback called inside fit(), at batch_size=64" in big, d
+    assert "cannot allocate" in big and "granted over the budget" in big, d
     assert "fit()'s validation's, at validation_batch_size=2048" in d.get("validation_note", ""), d
     assert not d["over"], d
