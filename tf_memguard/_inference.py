@@ -193,7 +193,7 @@ class EvaluationGuard:
         else:
             size, method = None, ("no step of another size can be taken from a generator or PyDataset: make its "
                                   "batches smaller")
-        note = _oom.evaluation(device, refusal, call, argument, running, size, method)
+        note = _oom.evaluation(device, refusal, call, argument, running, size, method, by_callback=nested)
         if in_fit or nested:   # the fit() ends with this error
             self._end_abruptly()
             drop_validation_iterator(self.model)

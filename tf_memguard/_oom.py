@@ -121,14 +121,15 @@ def granted_before(granted):
 RETRY = " Retry after the except block, and gc.collect() first: until then this error holds the failed fit()'s data."
 
 
-def evaluation(device, refusal, call, argument, running, size, method):
+def evaluation(device, refusal, call, argument, running, size, method, by_callback=False):
     """The note for an out-of-memory error in an evaluation step (`call`: "fit()'s
-    validation", "evaluate()", "predict()", or such a call a callback made inside fit(); `argument`, the batch size argument that
-    sets its size, `running`, or for a dataset, which fixes its own batches, how it was
-    batched, e.g. "batch"): what was refused, and `size`, the largest batch size of that
-    step that fits (0: none was found; None: none could be looked for), by `method`."""
+    validation", "evaluate()", "predict()", or with `by_callback`, such a call a callback made
+    inside fit(), which the error ends; `argument`, the batch size argument that sets its
+    size, `running`, or for a dataset, which fixes its own batches, how it was batched,
+    e.g. "batch"): what was refused, and `size`, the largest batch size of that step that
+    fits (0: none was found; None: none could be looked for), by `method`."""
     text = refused(device, refusal)
-    whose = f"that of {call}" if "inside fit()" in call else f"{call}'s"
+    whose = f"that of {call}" if by_callback else f"{call}'s"
     if argument.startswith("."):
         at = f"on the dataset's batches{f' of {running}' if running else ''}"
         text += f" The step that ran out was {whose}, {at}. Rebuild the dataset with a smaller {argument}() ({method})."
@@ -140,7 +141,7 @@ def evaluation(device, refusal, call, argument, running, size, method):
             text += f" No smaller size was found that fits ({method}): pass a larger max_bytes to tf_memguard.install()."
         else:
             text += f" Pass a smaller {argument} ({method})."
-    which = "fit()" if "inside fit()" in call else call.split("'")[0]   # fit(), evaluate(), predict()
+    which = "fit()" if by_callback else call.split("'")[0]   # fit(), evaluate(), predict()
     return text + (" Retry after the except block, and gc.collect() first: until then this error holds the "
                    f"failed {which}'s data.")
 
