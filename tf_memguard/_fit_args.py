@@ -174,6 +174,37 @@ _KEEPS_BATCHES = frozenset({
     "_OptionsDataset", "_ShardDataset", "_AssertCardinalityDataset", "_IgnoreErrorsDataset",
 })
 _BATCHES = frozenset({"_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset"})
+# Transformations that join the elements of several pipelines (zip: one of each input's side
+# by side; concatenate: one input's after the other's): where every input's elements are
+# batches of one size, so are the join's (keras.io's MixUp zips two batched pipelines and
+# mixes them in a map(): with a zip taken for the end of the walk, its fit() was told that
+# the batch size could not be read, and no size was named after its OOM).
+_JOINS_BATCHES = frozenset({"_ZipDataset", "_ConcatenateDataset"})
+
+
+def _last_batches(dataset, passes):
+    """The pipeline's last batch() nodes, reached from `dataset` through transformations
+    whose class names are in `passes`, and through every input of a join (zip,
+    concatenate): one per branch; None when another transformation comes first on any
+    branch, or a branch has no batch()."""
+    found, todo = [], [dataset]
+    for _ in range(1024):  # a pipeline is a tree; the bound only guards against a cycle
+        if not todo:
+            return found or None
+        node = todo.pop()
+        name = type(node).__name__
+        if name in _BATCHES:
+            found.append(node)
+        elif name in _JOINS_BATCHES:
+            try:
+                todo.extend(node._inputs())
+            except Exception:  # noqa: BLE001 - a private method of tf.data's: without it, no size
+                return None
+        elif name in passes and getattr(node, "_input_dataset", None) is not None:
+            todo.append(node._input_dataset)
+        else:
+            return None
+    return None
 
 
 def _last_batch(dataset, passes):
@@ -191,14 +222,8 @@ def _last_batch(dataset, passes):
     return None
 
 
-def dataset_batch_size(dataset):
-    """The batch size a tf.data pipeline's last batch() was given, found by walking from
-    `dataset` through transformations that keep batches (prefetch, map, shuffle, repeat,
-    cache, take, ...); None when another transformation (unbatch, rebatch, window, a
-    zip, ...) comes first, or there is no batch()."""
-    node = _last_batch(dataset, _KEEPS_BATCHES)
-    if node is None:
-        return None
+def _given_size(node):
+    """The batch size a batch() node was given (a positive int), or None."""
     size = getattr(node, "_batch_size", None)
     try:
         size = int(size.numpy()) if hasattr(size, "numpy") else int(size)
@@ -207,12 +232,25 @@ def dataset_batch_size(dataset):
     return size if size > 0 else None
 
 
+def dataset_batch_size(dataset):
+    """The batch size a tf.data pipeline's last batch() was given, found by walking from
+    `dataset` through transformations that keep batches (prefetch, map, shuffle, repeat,
+    cache, take, ...) and into every input of a zip or a concatenate, whose batch() calls
+    must then all have been given one size; None when another transformation (unbatch,
+    rebatch, window, ...) comes first, the sizes differ, or there is no batch()."""
+    nodes = _last_batches(dataset, _KEEPS_BATCHES)
+    if not nodes:
+        return None
+    sizes = {_given_size(node) for node in nodes}
+    return sizes.pop() if len(sizes) == 1 and None not in sizes else None
+
+
 def dataset_batch_method(dataset):
     """The name of the transformation that batches a tf.data pipeline ("batch", or
     "padded_batch" where that is what the last batching one is), for the advice's
     "build it with ...": "batch" where it cannot tell."""
-    node = _last_batch(dataset, _KEEPS_BATCHES) if dataset is not None else None
-    return "padded_batch" if type(node).__name__ == "_PaddedBatchDataset" else "batch"
+    nodes = _last_batches(dataset, _KEEPS_BATCHES) if dataset is not None else None
+    return "padded_batch" if nodes and all(type(n).__name__ == "_PaddedBatchDataset" for n in nodes) else "batch"
 
 
 # Transformations after batch() that keep its batches and their order (shuffle, repeat,

@@ -154,3 +154,70 @@ def test_after_an_oom_on_sequences_of_many_lengths_the_size_named_trains_on_the_
     assert f".padded_batch({d['size']})" in d["advice"], d
     assert d["retry"] == "trained" and 8 <= d["size"] < 64, d
     assert d["peak_reserved"] <= 40 << 20, d
+
+
+def test_a_pipeline_that_zips_two_batched_pipelines_gets_advice_and_a_size_after_an_oom():
+    # keras.io's MixUp zips two shuffled, batched copies of the data and mixes them in a
+    # map(). The walk to batch() stopped at the zip: fit() was told that its batch size
+    # could not be read, and after an OOM no size was named (tried at 1,139 under 128 MiB,
+    # 712 trains).
+    r = run("""
+        import gc, numpy as np
+        import tf_memguard
+        tf_memguard.install(max_bytes="64MiB")
+        import keras, tensorflow as tf
+        from tf_memguard._fit_args import dataset_batch_size
+        L = keras.layers
+        rng = np.random.default_rng(0)
+        x = rng.random((2048, 28, 28, 1), dtype=np.float32)
+        y = keras.utils.to_categorical(rng.integers(0, 10, 2048), 10).astype("float32")
+        def mix(a, b):
+            (x1, y1), (x2, y2) = a, b
+            w = tf.random.uniform([tf.shape(x1)[0]])
+            return x1 * w[:, None, None, None] + x2 * (1 - w[:, None, None, None]), \\
+                y1 * w[:, None] + y2 * (1 - w[:, None])
+        def pipeline(size):
+            one = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=1).batch(size)
+            two = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=2).batch(size)
+            return tf.data.Dataset.zip((one, two)).map(mix).prefetch(2)
+        keras.utils.set_random_seed(1)
+        i = keras.Input((28, 28, 1))
+        h = L.Conv2D(32, 3, activation="relu")(i)
+        h = L.Conv2D(32, 3, activation="relu")(h)
+        m = keras.Model(i, L.Dense(10, activation="softmax")(L.GlobalAveragePooling2D()(h)))
+        m.compile("adam", "categorical_crossentropy")
+        read = dataset_batch_size(pipeline(48))
+        ds = pipeline(32)
+        cb = tf_memguard.MemGuardCallback(verbose=0)
+        m.fit(ds, epochs=2, verbose=0, callbacks=[cb])
+        advised, advised_method = cb.report.suggested_batch_size, cb.report.suggestion_method
+        ds = pipeline(1024)
+        try:
+            m.fit(ds, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            outcome = "trained"
+        except tf.errors.ResourceExhaustedError as e:
+            outcome = type(e).__name__
+            del e
+        gc.collect()
+        rep = tf_memguard.report()
+        size, advice = rep.suggested_batch_size, rep.advice
+        del ds
+        gc.collect()
+        retry = "no size"
+        try:
+            if size:
+                m.fit(pipeline(size), epochs=2, verbose=0)
+                retry = "trained"
+        except tf.errors.ResourceExhaustedError:
+            retry = "ran out"
+        emit(read=read, advised=advised, advised_method=advised_method, outcome=outcome, size=size, advice=advice,
+             retry=retry, peak_reserved=tf_memguard.stats()["peak_bytes_reserved"])
+    """, env=HARD, timeout=600)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["read"] == 48, d
+    assert d["advised"] is not None and d["advised"] > 32 and "steps at 32" in d["advised_method"], d
+    assert d["outcome"] == "ResourceExhaustedError", d
+    assert d["size"] is not None and 32 <= d["size"] < 1024 and ".batch(" in d["advice"], d
+    assert d["retry"] == "trained", d
+    assert d["peak_reserved"] <= 64 << 20, d
