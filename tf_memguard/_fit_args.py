@@ -247,10 +247,21 @@ def dataset_batch_size(dataset):
 
 def dataset_batch_method(dataset):
     """The name of the transformation that batches a tf.data pipeline ("batch", or
-    "padded_batch" where that is what the last batching one is), for the advice's
-    "build it with ...": "batch" where it cannot tell."""
+    "padded_batch" or "ragged_batch" where that is what every last batching one is), for
+    the advice's "build it with ...": "batch" where it cannot tell."""
     nodes = _last_batches(dataset, _KEEPS_BATCHES) if dataset is not None else None
-    return "padded_batch" if nodes and all(type(n).__name__ == "_PaddedBatchDataset" for n in nodes) else "batch"
+    names = {_batch_method(n) for n in nodes or ()}
+    return names.pop() if len(names) == 1 else "batch"
+
+
+def _batch_method(node):
+    """The method that made batch node `node`: ragged_batch() is a map to ragged elements
+    (_DenseToRaggedDataset) and a batch()."""
+    if type(node).__name__ == "_PaddedBatchDataset":
+        return "padded_batch"
+    if type(getattr(node, "_input_dataset", None)).__name__ == "_DenseToRaggedDataset":
+        return "ragged_batch"
+    return "batch"
 
 
 # Transformations after batch() that keep its batches and their order (shuffle, repeat,

@@ -68,6 +68,8 @@ def test_a_sample_of_padded_batches_is_padded_to_their_longest():
     assert x[1].tolist() == list(range(1, 10)) and x[2].tolist() == [1, 2] + [0] * 7
     assert tf_memguard._fit_args.dataset_batch_method(ds.padded_batch(2).prefetch(1)) == "padded_batch"
     assert tf_memguard._fit_args.dataset_batch_method(ds.batch(1).map(lambda v: v)) == "batch"
+    assert tf_memguard._fit_args.dataset_batch_method(ds.ragged_batch(2).prefetch(1)) == "ragged_batch"
+    assert tf_memguard._fit_args.dataset_batch_method(tf.data.Dataset.zip((ds.batch(2), ds.padded_batch(2)))) == "batch"
 
 
 @pytest.mark.tf
