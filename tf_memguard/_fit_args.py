@@ -179,13 +179,15 @@ _BATCHES = frozenset({"_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDat
 # batches of one size, so are the join's (keras.io's MixUp zips two batched pipelines and
 # mixes them in a map(): with a zip taken for the end of the walk, its fit() was told that
 # the batch size could not be read, and no size was named after its OOM).
-_JOINS_BATCHES = frozenset({"_ZipDataset", "_ConcatenateDataset"})
+# sample_from_datasets() and choose_from_datasets() take one element of one input at a
+# time (_DirectedInterleaveDataset): its data inputs, not the selector that picks them.
+_JOINS_BATCHES = frozenset({"_ZipDataset", "_ConcatenateDataset", "_DirectedInterleaveDataset"})
 
 
 def _last_batches(dataset, passes):
     """The pipeline's last batch() nodes, reached from `dataset` through transformations
     whose class names are in `passes`, and through every input of a join (zip,
-    concatenate): one per branch; None when another transformation comes first on any
+    concatenate, sample_from_datasets): one per branch; None when another transformation comes first on any
     branch, or a branch has no batch()."""
     found, todo = [], [dataset]
     for _ in range(1024):  # a pipeline is a tree; the bound only guards against a cycle
@@ -197,7 +199,7 @@ def _last_batches(dataset, passes):
             found.append(node)
         elif name in _JOINS_BATCHES:
             try:
-                todo.extend(node._inputs())
+                todo.extend(node._data_inputs if name == "_DirectedInterleaveDataset" else node._inputs())
             except Exception:  # noqa: BLE001 - a private method of tf.data's: without it, no size
                 return None
         elif name in passes and getattr(node, "_input_dataset", None) is not None:
@@ -235,7 +237,8 @@ def _given_size(node):
 def dataset_batch_size(dataset):
     """The batch size a tf.data pipeline's last batch() was given, found by walking from
     `dataset` through transformations that keep batches (prefetch, map, shuffle, repeat,
-    cache, take, ...) and into every input of a zip or a concatenate, whose batch() calls
+    cache, take, ...) and into every input of a zip, a concatenate or a
+    sample_from_datasets / choose_from_datasets, whose batch() calls
     must then all have been given one size; None when another transformation (unbatch,
     rebatch, window, ...) comes first, the sizes differ, or there is no batch()."""
     nodes = _last_batches(dataset, _KEEPS_BATCHES)

@@ -223,3 +223,25 @@ def test_a_pipeline_that_zips_two_batched_pipelines_gets_advice_and_a_size_after
     assert d["size"] is not None and 32 <= d["size"] < 1024 and ".batch(" in d["advice"], d
     assert d["retry"] == "trained", d
     assert d["peak_reserved"] <= 64 << 20, d
+
+
+@pytest.mark.tf
+def test_the_batch_size_of_a_pipeline_is_read_through_zips_concatenations_and_samplings_of_batched_pipelines():
+    tf = pytest.importorskip("tensorflow")
+    from tf_memguard._fit_args import dataset_batch_size
+    a, b = tf.data.Dataset.range(40).batch(8), tf.data.Dataset.range(40).shuffle(8).batch(8)
+    other = tf.data.Dataset.range(40).batch(5)
+    cases = {
+        "zip": tf.data.Dataset.zip((a, b)).map(lambda u, v: (u, v)).prefetch(2),
+        "nested_zip": tf.data.Dataset.zip(((a, b), a.repeat())),
+        "concatenate": a.concatenate(b).shuffle(4),
+        "sample": tf.data.Dataset.sample_from_datasets([a, b], seed=1),
+        "choose": tf.data.Dataset.choose_from_datasets([a, b], tf.data.Dataset.range(2).repeat()),
+        "sizes_differ": tf.data.Dataset.zip((a, other)),
+        "one_unbatched": tf.data.Dataset.zip((a, tf.data.Dataset.range(5))),
+        "unbatched_and_batched": tf.data.Dataset.zip((a, b.unbatch().batch(8))),
+        "rebatched_inside": tf.data.Dataset.zip((a, b.rebatch(8))),
+    }
+    got = {k: dataset_batch_size(ds) for k, ds in cases.items()}
+    assert got == {"zip": 8, "nested_zip": 8, "concatenate": 8, "sample": 8, "choose": 8, "sizes_differ": None,
+                   "one_unbatched": None, "unbatched_and_batched": 8, "rebatched_inside": None}, got
