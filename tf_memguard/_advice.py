@@ -69,8 +69,28 @@ def suggest(model, budget, running=None, at_most=None, method="", at_least=0, fi
                       method=method, one_sample_bytes=int(one), running_bytes=int(now), at_least=partial)
 
 
+# Said with every size named where install(wait=0) turned the waits off. The memory model
+# keeps RUN_SPREAD of a step's growth free for orders of the kernels its recorded steps did
+# not show, and the waits near the budget are the rest of its margin (README, "Near the
+# budget a kernel's request waits"). Without them a size named can run out: keras.io's
+# SAM (two gradient passes per step) under 192 MiB with wait=0 was advised 175-176 and,
+# after an OOM, 166, whose retry ran out in 2 of 2 processes; 156 is the most that trains
+# with wait=0, 208 with the default wait (benchmarks/NOTES.md, twenty-ninth session).
+NO_WAIT_CAVEAT = (" With install(wait=0) the size has no margin for orders of the kernels the recorded steps did not "
+                  "show (the default wait gives it) and can run out; install() without wait= for advice to rely on.")
+
+
 def advice_sentence(s, running):
     """What to do, in a sentence or two (the end of the OOM note and of the warning)."""
+    text = _advice_sentence(s, running)
+    if not s.fits_none and not s.fixed_batch:
+        from tf_memguard import _install
+        if _install.waits_off():
+            text += NO_WAIT_CAVEAT
+    return text
+
+
+def _advice_sentence(s, running):
     now = f" (now {running})" if running else ""
     if s.fixed_batch:
         if not s.fits_none:

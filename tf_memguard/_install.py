@@ -373,6 +373,13 @@ def config(device=None):
     return _configs.get(resolve_device(device))
 
 
+def waits_off():
+    """True where a budget on TensorFlow's tensors was installed with wait=0: its kernels'
+    requests are refused at once, and no wait absorbs an order of the kernels that a
+    recorded step did not show (see _advice.NO_WAIT_CAVEAT)."""
+    return any(c.framework == "tensorflow" and c.wait == 0 for c in list(_configs.values()))
+
+
 def stats(device=None):
     """The pool's statistics for `device` as a dict (TensorFlow's field names and more).
 

@@ -1582,3 +1582,23 @@ def test_the_arrays_keras_copies_are_sized_as_keras_feeds_them():
     # are not. The validation arrays' copy matters only to epochs after the first.
     assert r.data == {"sizes": [120, 120, 80, 120], "two": 2, "one": None, "resumed": None, "dataset": None,
                       "none": None}, r.data
+
+
+@pytest.mark.parametrize("wait", [None, 0])
+def test_with_wait_0_every_size_named_says_it_has_no_margin_for_orders_not_met(wait):
+    # The waits near the budget are part of the advice's margin (README): keras.io's SAM
+    # under 192 MiB with wait=0 was advised 175 and, after an OOM, 166, whose retry ran out
+    # in 2 of 2 processes (156 trains with wait=0). With wait=0 the advice says so.
+    r = run(SETUP, f"""
+        tf_memguard.install(max_bytes="128MiB", wait={wait!r})
+        m = make()
+        cb = tf_memguard.MemGuardCallback(verbose=0)
+        m.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[cb])
+        rep = tf_memguard.report()
+        emit(size=rep.suggested_batch_size, advice=rep.advice, text=str(rep))
+    """, env=HARD)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["size"] and d["size"] > 64, d
+    said = "With install(wait=0) the size has no margin" in d["advice"]
+    assert said == (wait == 0), d
