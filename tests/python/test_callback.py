@@ -1321,16 +1321,18 @@ def test_the_batch_size_of_a_tf_data_pipeline_is_read_from_its_batch():
             "unbatched": base.batch(8).unbatch(),
             "rebatch": base.batch(8).rebatch(4),
             "zipped": tf.data.Dataset.zip((base.batch(8), base.batch(8))),
+            "zipped_sizes_differ": tf.data.Dataset.zip((base.batch(8), base.batch(4))),
             "none": base,
         }
         emit(**{k: batch_size({"x": ds}) for k, ds in cases.items()})
     """)
     assert r.returncode == 0, r
     # An element with a static first dimension is a batch as fit() sees it ("unbatched",
-    # "none": elements of shape (4,)); where batch()'s size is not the elements' (rebatch,
-    # zip of two pipelines) there is no answer.
+    # "none": elements of shape (4,)); where batch()'s size is not the elements' (rebatch, a
+    # zip of pipelines batched by different sizes) there is no answer. A zip of pipelines
+    # batched by one size has that size (keras.io's MixUp zips two: test_dataset_sample.py).
     assert r.data == {"batch": 16, "after_batch": 16, "static": 16, "padded": 8, "parallel": 8, "rebatched": 5,
-                      "unbatched": 4, "rebatch": None, "zipped": None, "none": 4}, r.data
+                      "unbatched": 4, "rebatch": None, "zipped": 8, "zipped_sizes_differ": None, "none": 4}, r.data
 
 
 def test_where_the_batch_size_cannot_be_read_the_report_says_so_and_what_to_pass():
