@@ -187,8 +187,8 @@ _JOINS_BATCHES = frozenset({"_ZipDataset", "_ConcatenateDataset", "_DirectedInte
 def _last_batches(dataset, passes):
     """The pipeline's last batch() nodes, reached from `dataset` through transformations
     whose class names are in `passes`, and through every input of a join (zip,
-    concatenate, sample_from_datasets): one per branch; None when another transformation comes first on any
-    branch, or a branch has no batch()."""
+    concatenate, sample_from_datasets): one per branch; None when another transformation
+    comes first on any branch, or a branch has no batch()."""
     found, todo = [], [dataset]
     for _ in range(1024):  # a pipeline is a tree; the bound only guards against a cycle
         if not todo:
@@ -238,9 +238,9 @@ def dataset_batch_size(dataset):
     """The batch size a tf.data pipeline's last batch() was given, found by walking from
     `dataset` through transformations that keep batches (prefetch, map, shuffle, repeat,
     cache, take, ...) and into every input of a zip, a concatenate or a
-    sample_from_datasets / choose_from_datasets, whose batch() calls
-    must then all have been given one size; None when another transformation (unbatch,
-    rebatch, window, ...) comes first, the sizes differ, or there is no batch()."""
+    sample_from_datasets / choose_from_datasets, whose batch() calls must then all have
+    been given one size; None when another transformation (unbatch, rebatch, window, ...)
+    comes first, the sizes differ, or there is no batch()."""
     nodes = _last_batches(dataset, _KEEPS_BATCHES)
     if not nodes:
         return None
