@@ -42,12 +42,14 @@ class Suggestion:
         return self.batch_size == 0
 
 
-def suggest(model, budget, running=None, at_most=None, method="", at_least=0, fixed=None):
+def suggest(model, budget, running=None, at_most=None, method="", at_least=0, fixed=None, multiple=1):
     """The Suggestion of `model` (a StepModel) for `budget` bytes; `running`: the batch
     size in use (its budget is worked out too when it does not fit); `at_most`: the
     samples there are (no batch is larger); `at_least`: a size known to fit (a step of it
     completed under the budget), which the answer never goes below; `fixed`: the only
-    batch size the model can run (its inputs fix it), named if it fits, else none."""
+    batch size the model can run (its inputs fix it), named if it fits, else none;
+    `multiple`: the replicas of a tf.distribute strategy, of which the size must be a
+    multiple (_fit_args.runnable)."""
     if fixed:
         fits = (at_most is None or fixed <= at_most) and (at_least == fixed or model.fits(fixed, budget))
         need = 0 if fits else max(model.budget_for(fixed), budget + (1 << 20))
@@ -56,6 +58,9 @@ def suggest(model, budget, running=None, at_most=None, method="", at_least=0, fi
                           method=method + f"; the model's inputs fix the batch size at {fixed}",
                           running_bytes=int(need), fixed_batch=int(fixed))
     size = model.largest_fitting(budget, at_most=at_most)
+    if multiple > 1 and size % multiple:
+        size -= size % multiple
+        method += f", rounded down to a multiple of the {multiple} replicas"
     if at_least and (at_most is None or at_least <= at_most):
         size = max(size, at_least)
     peak = model.need(size)["peak_account"] if size else 0

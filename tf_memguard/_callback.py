@@ -280,7 +280,8 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
             return None
         at_most = self._n if below is None else min(self._n or below - 1, below - 1)
         return _advice.suggest(model, self._budget, running=self._run_batch, at_most=at_most,
-                               method=self._sampler.method(), at_least=at_least, fixed=fixed)
+                               method=self._sampler.method(), at_least=at_least, fixed=fixed,
+                               multiple=_fit_args.replicas(self.model))
 
     # -- the report ----------------------------------------------------------------------
 

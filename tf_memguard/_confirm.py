@@ -63,7 +63,7 @@ def confirmed(sampler, keras_model, model, suggestion, budget):
     for _ in range(CONFIRM_RUNS):
         trace = sampler.short_fit(keras_model, size, all_samples=True, steps=1)
         if trace is not None and trace.complete:
-            good = size
+            good = trace.batch_size  # the size that ran (a multiple of a strategy's replicas)
             break
         refused.append(size)
         # Short there by at least what its replay left of the budget, per sample.

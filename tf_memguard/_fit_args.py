@@ -88,6 +88,30 @@ def fixed_batch_size(model):
     return int(size) if isinstance(size, numbers.Integral) and size > 0 else None
 
 
+def replicas(model):
+    """The replicas each step's global batch is split over: num_replicas_in_sync of the
+    tf.distribute strategy the model was built under (a MirroredStrategy over two logical
+    CPUs: 2), else 1 (no strategy, or Keras on another backend)."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    try:
+        n = int(getattr(strategy, "num_replicas_in_sync", 1) or 1) if strategy is not None else 1
+    except (TypeError, ValueError):
+        return 1
+    return max(1, n)
+
+
+def runnable(size, replicas):
+    """`size` as a batch size the model can run: rounded down to a multiple of `replicas`
+    (see replicas()), and at least `replicas`. Keras 3.15 on TensorFlow 2.21 runs no other
+    under a MirroredStrategy: a global batch of 1,517 over two replicas fails at once with
+    "Inputs to operation AddN ... must have the same size and shape" ([759, ...] != [758,
+    ...]), and a last partial batch smaller than the replicas (3 samples at 2) with an
+    empty replica's error; an odd size named by the advice would fail its retry so
+    (benchmarks/NOTES.md, thirtieth session)."""
+    size, replicas = int(size), max(1, int(replicas))
+    return max(replicas, size // replicas * replicas)
+
+
 def is_dataset(data):
     """True for a tf.data dataset."""
     import sys

@@ -317,10 +317,12 @@ def largest_that_fits(model, phase, data, failed, pool, start):
         return need <= budget and start + (1 if torch else 2) * n * outputs <= budget
 
     fits, refused, grew, took, no_room, ran_out_from = 0, [failed], {}, {}, [], {}
+    split = _fit_args.replicas(model)   # a strategy's replicas: only their multiples run (_fit_args.runnable)
     for _ in range(CHECK_STEPS):
         below = int(min(refused) / (1 + RUN_SPREAD))
         size = below // 2 if not fits else (fits + below + 1) // 2
         size = min(size, below)
+        size -= size % split
         if size <= fits or size < 1:
             break
         if completes(size):
@@ -345,6 +347,7 @@ def largest_that_fits(model, phase, data, failed, pool, start):
         # (below a size whose step completed and left no room: it is measured, not scaled)
         predicted = _after_release(fits, grew[fits], need_at, min([int(failed / (1 + RUN_SPREAD))] +
                                                                   [s - 1 for s in no_room]))
+        predicted -= predicted % split
     if predicted > fits:
         return predicted, (f"the step at {fits} (it grew by {format_bytes(grew[fits])}), which completed here with "
                            "the failed call's data still in the pool "

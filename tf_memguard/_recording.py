@@ -15,7 +15,7 @@ import gc
 import traceback
 
 from tf_memguard import _backend, _core, _dead_models
-from tf_memguard._fit_args import fed_nbytes, first_samples, num_samples
+from tf_memguard._fit_args import fed_nbytes, first_samples, num_samples, replicas, runnable
 from tf_memguard._step_trace import _ALLOC, _FREE, _OVERSHOOT, StepTrace
 from tf_memguard._snapshot import Snapshot
 
@@ -183,6 +183,14 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"fit_steps(epochs={epochs!r}): must be an int of at least 1")
     fit_kwargs = dict(fit_kwargs or {})
+    # Under a strategy of several replicas only multiples of them run (_fit_args.runnable):
+    # the step is recorded at the size that runs, which the trace's batch_size says, and
+    # a partial last batch keeps a sample for every replica.
+    split = replicas(model)
+    if split > 1:
+        batch_size = runnable(batch_size, split)
+        if samples is not None and 0 < samples % batch_size < split:
+            samples = min(samples + split - samples % batch_size, num_samples(x))
     if samples is not None:
         x = first_samples(x, samples)
         y = first_samples(y, samples) if y is not None else None
