@@ -1,11 +1,14 @@
 """A model built under tf.distribute.MirroredStrategy over two logical CPUs: every batch
 size the advice names, and every size its own short runs take, is a multiple of the
 replicas (_fit_args.runnable), the only sizes Keras runs there."""
+import pytest
+
 from tfproc import run
 
 MiB = 1 << 20
 
 
+@pytest.mark.tf
 def test_under_a_mirrored_strategy_every_size_named_is_a_multiple_of_the_replicas_and_trains():
     # Before: the advice's short runs at odd sizes (3183, 1517) failed with TensorFlow's
     # "Inputs to operation AddN ... must have the same size and shape", and the report
@@ -63,3 +66,19 @@ def test_under_a_mirrored_strategy_every_size_named_is_a_multiple_of_the_replica
     assert d["after"] and d["after"] % 2 == 0 and d["after_trains"], d
     assert d["found"] % 2 == 0 and d["found_trains"], d
     assert d["peak_reserved"] <= 96 * MiB, d
+
+
+def test_a_runnable_size_is_the_largest_multiple_of_the_replicas_and_at_least_one_of_each():
+    from tf_memguard._fit_args import runnable
+    assert runnable(1517, 2) == 1516 and runnable(1516, 2) == 1516
+    assert runnable(1, 2) == 2 and runnable(0, 4) == 4     # the least a step of every replica takes
+    assert runnable(37, 8) == 32 and runnable(37, 1) == 37
+
+
+@pytest.mark.tf
+def test_a_model_built_without_a_strategy_has_one_replica():
+    keras = pytest.importorskip("keras")
+    from tf_memguard._fit_args import replicas
+    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    assert replicas(m) == 1
+    assert replicas(object()) == 1       # a model of another framework (no strategy)
