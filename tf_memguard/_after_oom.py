@@ -151,7 +151,7 @@ def model_after_oom(sampler, model):
             continue
         good = sampler.short_fit(model, size, all_samples=True)
         if ran(good):
-            sampler.after_oom.append(size)
+            sampler.after_oom.append(good.batch_size)  # the size that ran (_fit_args.runnable)
             break
         sampler.too_large = min(sampler.too_large, size)
         good = None
@@ -211,7 +211,7 @@ def model_after_oom(sampler, model):
         if ran(trace):
             lower, good = good, trace
             current = with_failed(build(good, lower))
-            sampler.after_oom.append(size)
+            sampler.after_oom.append(trace.batch_size)
             completed.append(good)
         else:
             sampler.too_large = min(sampler.too_large, size)
@@ -251,7 +251,7 @@ def model_after_oom(sampler, model):
         if not ran(trace):
             return False
         by_size[size] = trace
-        sampler.after_oom.append(size)
+        sampler.after_oom.append(trace.batch_size)
         return True
 
     answer, sampler.too_large = settle(completed[0].batch_size, [t.batch_size for t in completed[1:]],
