@@ -7,6 +7,7 @@ budget. When not even a batch of 1 fits, they say so, and which budget would.
 """
 import dataclasses
 
+from tf_memguard._fit_args import round_down
 from tf_memguard._units import format_bytes
 
 
@@ -58,8 +59,8 @@ def suggest(model, budget, running=None, at_most=None, method="", at_least=0, fi
                           method=method + f"; the model's inputs fix the batch size at {fixed}",
                           running_bytes=int(need), fixed_batch=int(fixed))
     size = model.largest_fitting(budget, at_most=at_most)
-    if multiple > 1 and size % multiple:
-        size -= size % multiple
+    if round_down(size, multiple) != size:
+        size = round_down(size, multiple)
         method += f", rounded down to a multiple of the {multiple} replicas"
     if at_least and (at_most is None or at_least <= at_most):
         size = max(size, at_least)

@@ -1,7 +1,7 @@
 """find_batch_size(): the largest batch size that fits, from the memory model of two
 recorded steps of fit(), without a full run."""
 from tf_memguard import _backend, _core, _install
-from tf_memguard._fit_args import fed_nbytes, fixed_batch_size, is_sliceable, num_samples, replicas
+from tf_memguard._fit_args import fed_nbytes, fixed_batch_size, is_sliceable, num_samples, replicas, round_down
 from tf_memguard._memory_model import ONE_DRAW_SPREAD, StepModel, StepModels
 from tf_memguard._recording import (SHORTFALL_FLAGS, StepRecorder, abort_all, epoch_of, fit_steps, joined,
                                     prepared_bytes, stale_batches, unmet_prepared, without_blocks)
@@ -261,9 +261,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         # the most that trained). It may be below the last size that completed (a step that
         # ran without Keras' copy of the arrays, for which the room is kept).
         size = min(current.largest_fitting(room, at_most=n), too_large - 1, good.batch_size)
-        split = replicas(model)
-        if split > 1 and size >= split:
-            size -= size % split  # a size the strategy's replicas can split (_fit_args.runnable)
+        if size >= replicas(model):
+            size = round_down(size, replicas(model))  # a size the strategy's replicas can split
         if fixed is not None and size < fixed:
             raise _core.OutOfBudgetError(
                 f"find_batch_size: the model's inputs fix the batch size at {fixed} (keras.Input(batch_shape=...)), "

@@ -100,6 +100,15 @@ def replicas(model):
     return max(1, n)
 
 
+def round_down(size, multiple):
+    """`size` rounded down to a multiple of `multiple` (a strategy's replicas, or the
+    devices a Keras distribution shards a batch over: only such a batch can be split
+    evenly, see runnable()); 0 where `size` is below `multiple`, which callers read as
+    "none fits"."""
+    multiple = max(1, int(multiple))
+    return int(size) // multiple * multiple
+
+
 def runnable(size, replicas):
     """`size` as a batch size the model can run: rounded down to a multiple of `replicas`
     (see replicas()), and at least `replicas`. Keras 3.15 on TensorFlow 2.21 runs no other
@@ -108,8 +117,7 @@ def runnable(size, replicas):
     ...]), and a last partial batch smaller than the replicas (3 samples at 2) with an
     empty replica's error; an odd size named by the advice would fail its retry so
     (benchmarks/NOTES.md, thirtieth session)."""
-    size, replicas = int(size), max(1, int(replicas))
-    return max(replicas, size // replicas * replicas)
+    return max(max(1, int(replicas)), round_down(size, replicas))
 
 
 def is_dataset(data):

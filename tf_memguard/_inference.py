@@ -322,7 +322,7 @@ def largest_that_fits(model, phase, data, failed, pool, start):
         below = int(min(refused) / (1 + RUN_SPREAD))
         size = below // 2 if not fits else (fits + below + 1) // 2
         size = min(size, below)
-        size -= size % split
+        size = _fit_args.round_down(size, split)
         if size <= fits or size < 1:
             break
         if completes(size):
@@ -347,7 +347,7 @@ def largest_that_fits(model, phase, data, failed, pool, start):
         # (below a size whose step completed and left no room: it is measured, not scaled)
         predicted = _after_release(fits, grew[fits], need_at, min([int(failed / (1 + RUN_SPREAD))] +
                                                                   [s - 1 for s in no_room]))
-        predicted -= predicted % split
+        predicted = _fit_args.round_down(predicted, split)
     if predicted > fits:
         return predicted, (f"the step at {fits} (it grew by {format_bytes(grew[fits])}), which completed here with "
                            "the failed call's data still in the pool "

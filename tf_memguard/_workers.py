@@ -12,6 +12,8 @@ import dataclasses
 import re
 import time
 
+from tf_memguard._fit_args import round_down
+
 # Our message inside TensorFlow's "Collective ops is aborted by: <message>\nThe error ...".
 _TOLD = re.compile(r"aborted by: (?:Collective ops is aborted by: )*(tf_memguard: .*?)(?:\nThe error could be|\Z)",
                    re.S)
@@ -146,7 +148,7 @@ class ClusterRecord:
         # collective, measured, unless the model's build is given each worker's own batch
         # as examples/multi_worker.py does).
         replicas = self.cluster.strategy.num_replicas_in_sync
-        fitting = smallest // replicas * replicas
+        fitting = round_down(smallest, replicas)
         if fitting == suggestion.batch_size:
             return suggestion
         method = suggestion.method

@@ -33,6 +33,8 @@ import dataclasses
 
 import numpy as np
 
+from tf_memguard._fit_args import round_down
+
 KIND = "xla-compiled"
 
 # XLA's cuBLAS workspace per matmul (GemmConfig, xla/service/gpu/matmul_utils.h).
@@ -287,7 +289,7 @@ def verified_largest(model, compiler, budget, at_most=None, compiles=3, oom=lamb
         # One size gives no line: a second below it (after a refusal the refused size is
         # usually the only one compiled, or none where its compilation ran out of memory).
         size = min(model.points[0][0] // 2, at_most) if model.points else at_most
-        size = size // multiple * multiple
+        size = round_down(size, multiple)
         for _ in range(4):
             if size < 1 or any(p[0] == size for p in model.points):
                 break
@@ -298,14 +300,14 @@ def verified_largest(model, compiler, budget, at_most=None, compiles=3, oom=lamb
                 if not oom(e):
                     raise
                 refused.append(size)
-                size = size // 4 // multiple * multiple
+                size = round_down(size // 4, multiple)
     if not model.points:
         return 0
     for _ in range(compiles):
         b = model.largest_fitting(budget, at_most=at_most)
         if refused:
             b = min(b, min(refused) - 1)
-        b = b // multiple * multiple
+        b = round_down(b, multiple)
         if b <= 0 or any(p[0] == b for p in model.points):
             break
         try:

@@ -75,6 +75,15 @@ def test_a_runnable_size_is_the_largest_multiple_of_the_replicas_and_at_least_on
     assert runnable(37, 8) == 32 and runnable(37, 1) == 37
 
 
+def test_a_size_named_is_rounded_down_to_the_replicas_and_may_round_to_none():
+    """The answers (advice, find, after an OOM, the workers' smallest) round with round_down:
+    below one of each replica nothing fits, which they report as 0, not as a runnable size."""
+    from tf_memguard._fit_args import round_down
+    assert round_down(1517, 2) == 1516 and round_down(1516, 2) == 1516
+    assert round_down(1, 2) == 0 and round_down(7, 8) == 0
+    assert round_down(37, 1) == 37 and round_down(37, 0) == 37   # no strategy: one replica
+
+
 @pytest.mark.tf
 def test_a_model_built_without_a_strategy_has_one_replica():
     keras = pytest.importorskip("keras")
