@@ -27,6 +27,10 @@ class Suggestion:
         at_least: the budgets are what a step refused before its end held up to the
             refusal (a model of no complete step): less than the step needs, by what came
             after it.
+        once_batch, source_bytes: after a failed fit() on a dataset, the size that fits
+            with the `source_bytes` of numpy data made into tensors held now counted once
+            (the old dataset replaced or deleted), where batch_size counts them twice
+            (held_twice); else 0.
     """
 
     batch_size: int
@@ -37,6 +41,8 @@ class Suggestion:
     running_bytes: int = 0
     fixed_batch: int = 0
     at_least: bool = False
+    once_batch: int = 0
+    source_bytes: int = 0
 
     @property
     def fits_none(self):
@@ -162,3 +168,62 @@ def format_what_if(rows, largest, budget):
     lines.append(f"largest batch size that fits: {largest}" if largest else
                  "no batch size fits: even a batch of 1 needs more")
     return "\n".join(lines)
+
+
+
+def dataset_sentence(s, dataset):
+    """What to do with the dataset a fit() that ran out was given, after the sentence on
+    `s` (the Suggestion named after the failure, held_twice's): its batches are its own,
+    so it is built again at s.batch_size."""
+    from tf_memguard import _fit_args
+    if _fit_args.is_py_dataset(dataset):
+        return f" The PyDataset makes its own batches: make them of {s.batch_size} samples."
+    how = _fit_args.dataset_batch_method(dataset)
+    # (Keras' dataset utilities, such as timeseries_dataset_from_array, batch with .batch()
+    # inside, and take the size as their batch_size.)
+    text = (f" The dataset fixes its own batches: build it with .{how}({s.batch_size}), or batch_size="
+            f"{s.batch_size} where a Keras utility made it (keras.utils.timeseries_dataset_from_array, "
+            "image_dataset_from_directory, ...).")
+    if s.once_batch > s.batch_size:
+        text += (f" {s.batch_size} fits with the dataset you have and a new one made from the same arrays both "
+                 f"referenced ({format_bytes(s.source_bytes)} of numpy data made into tensors is held now: "
+                 f"from_tensor_slices copies its arrays so); build the new one in the old one's place (ds = ...), "
+                 f"or del the old one first, and {s.once_batch} fits.")
+    elif s.source_bytes:
+        text += (f" It counts the {format_bytes(s.source_bytes)} of numpy data made into tensors held now "
+                 "(from_tensor_slices copies its arrays so) once: build the new dataset in the old one's place "
+                 "(ds = ...), or del the old one first; with both referenced no batch size fits.")
+    return text
+
+
+def held_twice(s, model, source_bytes):
+    """`s` (a Suggestion named after a failed fit() on a dataset) for a retry that holds
+    `source_bytes` twice: numpy data made into tensors still held as the report is read (a
+    dataset of from_tensor_slices holds its arrays so), which the suggestion counts once,
+    as the dataset the retry uses; a new dataset made from the same arrays while the old one
+    is referenced copies them again (the retry of a CNN on a shuffled from_tensor_slices
+    pipeline of 47 MiB ran out at the 167 named under 256 MiB; it trained at 167 once the
+    old dataset was deleted, and at 127, this answer, with both referenced:
+    benchmarks/NOTES.md, thirty-first session). The size that fits so is by `model` (the
+    StepModel `s` came from), at the margin `s` keeps below the model's own answer; `s` as
+    it is where nothing is held, where no model or size is, or where not even 1 fits with
+    both (the advice then says to replace or delete the old dataset)."""
+    if model is None or source_bytes <= 0 or s.batch_size <= 0 or s.fixed_batch:
+        return s
+    alone = model.largest_fitting(s.budget_bytes)
+    if alone <= 0:
+        return s
+    both = model.largest_fitting(s.budget_bytes - source_bytes) if s.budget_bytes > source_bytes else 0
+    # The suggestion lies at or below the model's answer (short runs, spreads): the same
+    # share of it with both copies held.
+    both = min(s.batch_size, both * s.batch_size // alone if alone > s.batch_size else both)
+    if both <= 0:
+        return dataclasses.replace(s, source_bytes=int(source_bytes))
+    if both >= s.batch_size:
+        return s
+    return dataclasses.replace(
+        s, batch_size=int(both), once_batch=s.batch_size, source_bytes=int(source_bytes),
+        predicted_peak_bytes=int(model.need(both)["peak_account"] + source_bytes),
+        method=s.method + f"; with the {format_bytes(source_bytes)} of numpy data made into tensors held now held "
+                          f"twice (a dataset made again from the same arrays while the old one is referenced; "
+                          f"{s.batch_size} with it once)")

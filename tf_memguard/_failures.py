@@ -209,6 +209,10 @@ class FailureHandling:
             model = None
         finally:
             self._sampler.train_end()
+        if suggestion is not None and self._sampler.data.from_dataset:
+            # A dataset made again from the same arrays while this one is referenced holds them twice.
+            source = self._pool.stats().get("bytes_in_use_by_kind", {}).get("input", 0)
+            suggestion = _advice.held_twice(suggestion, model, source)
         if suggestion is not None:
             self._suggestion = suggestion
         report.suggested_batch_size = suggestion.batch_size if suggestion else None
@@ -216,16 +220,7 @@ class FailureHandling:
         report.advice = _advice.advice_sentence(suggestion, self._run_batch) if suggestion else ""
         if report.advice and self._sampler.data.from_dataset and not suggestion.fits_none:
             dataset = self._sampler.data.dataset()
-            if _fit_args.is_py_dataset(dataset):
-                report.advice += (f" The PyDataset makes its own batches: make them of {suggestion.batch_size} "
-                                  "samples.")
-            else:
-                how = _fit_args.dataset_batch_method(dataset)
-                # (Keras' dataset utilities, such as timeseries_dataset_from_array, batch with
-                # .batch() inside, and take the size as their batch_size.)
-                report.advice += (f" The dataset fixes its own batches: build it with .{how}({suggestion.batch_size}), "
-                                  f"or batch_size={suggestion.batch_size} where a Keras utility made it "
-                                  "(keras.utils.timeseries_dataset_from_array, image_dataset_from_directory, ...).")
+            report.advice += _advice.dataset_sentence(suggestion, dataset)
             del dataset
         elif suggestion is None and self._sampler.data.dataset_gone():
             report.advice = ("No batch size was worked out: the dataset given to fit() is gone (nothing kept a "

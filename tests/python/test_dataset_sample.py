@@ -245,3 +245,53 @@ def test_the_batch_size_of_a_pipeline_is_read_through_zips_concatenations_and_sa
     got = {k: dataset_batch_size(ds) for k, ds in cases.items()}
     assert got == {"zip": 8, "nested_zip": 8, "concatenate": 8, "sample": 8, "choose": 8, "sizes_differ": None,
                    "one_unbatched": None, "unbatched_and_batched": 8, "rebatched_inside": None}, got
+
+
+def test_after_an_oom_on_a_from_tensor_slices_pipeline_the_size_named_trains_with_the_old_dataset_still_referenced():
+    # from_tensor_slices copies its arrays into tensors in the pool (23 MiB here); a retry
+    # that makes a new dataset from the same arrays while the old one is referenced holds
+    # them twice. The size named counted them once, and its retry ran out (the shape of a
+    # CNN under 256 MiB on 47 MiB of images: 167 named, ran out; 127 trains). Now it is
+    # the size that fits with both, and the advice names the one for the old one replaced.
+    r = run("""
+        import gc, numpy as np
+        import tf_memguard
+        tf_memguard.install(max_bytes="128MiB")
+        import keras, tensorflow as tf
+        L = keras.layers
+        rng = np.random.default_rng(0)
+        x = rng.random((2000, 32, 32, 3), dtype=np.float32)
+        y = rng.integers(0, 10, 2000)
+        def pipeline(size):
+            return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(2000).batch(size).prefetch(tf.data.AUTOTUNE)
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((32, 32, 3)),
+            L.Conv2D(32, 3, padding="same", activation="relu"), L.BatchNormalization(),
+            L.Conv2D(64, 3, padding="same", activation="relu"), L.MaxPooling2D(),
+            L.Conv2D(128, 3, padding="same", activation="relu"), L.GlobalAveragePooling2D(), L.Dense(10)])
+        m.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        ds = pipeline(320)
+        try:
+            m.fit(ds, epochs=1, verbose=0, callbacks=[tf_memguard.MemGuardCallback(verbose=0)])
+            outcome = "trained"
+        except tf.errors.ResourceExhaustedError as e:
+            outcome = type(e).__name__
+        gc.collect()
+        rep = tf_memguard.report()
+        size, method, advice = rep.suggested_batch_size, rep.suggestion_method, rep.advice
+        try:
+            m.fit(pipeline(size), epochs=2, verbose=0)   # ds still referenced
+            retry = "trained"
+        except tf.errors.ResourceExhaustedError:
+            retry = "ran out"
+        emit(outcome=outcome, size=size, method=method, advice=advice, retry=retry,
+             peak_reserved=tf_memguard.stats()["peak_bytes_reserved"])
+    """, env=HARD, timeout=600)
+    assert r.returncode == 0, r
+    d = r.data
+    assert d["outcome"] == "ResourceExhaustedError", d
+    assert d["retry"] == "trained" and 16 <= d["size"] < 320, d
+    assert "held twice" in d["method"], d
+    once = int(d["advice"].split("or del the old one first, and ")[1].split(" fits")[0])
+    assert once > d["size"], d
+    assert d["peak_reserved"] <= 128 << 20, d
