@@ -371,7 +371,13 @@ def needs_steps(sampler):
 
 def pipeline_extra(sampler):
     """After an OOM on a dataset: its pipeline's buffers that do not grow with the batch,
-    as measured in the failed step, as one more block at a step's start (short runs on
-    arrays do not meet them; _dataset_sample.pipeline_extra), or None."""
-    return _dataset_sample.pipeline_extra(sampler.prefix) if sampler.data.from_dataset and sampler.prefix is not None \
-        else None
+    as measured in the failed step or as its caches and shuffle buffers hold once filled,
+    as one more block at a step's start (short runs on arrays do not meet them;
+    _dataset_sample.pipeline_extra), or None."""
+    if not sampler.data.from_dataset:
+        return None
+    dataset = sampler.data.dataset()
+    try:
+        return _dataset_sample.pipeline_extra(sampler.prefix, dataset)
+    finally:
+        del dataset

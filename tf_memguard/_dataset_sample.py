@@ -121,13 +121,121 @@ def pipeline_buffers(trace):
     return most
 
 
-def pipeline_extra(trace):
-    """pipeline_buffers(trace) as one more block live at a step's start ((sizes, flags)
-    for StepModel.build's extra_start: not batch-shaped, so fixed), or None."""
-    size = pipeline_buffers(trace) if trace is not None else 0
+def pipeline_extra(trace, dataset=None):
+    """What the pipeline holds beside a step whatever its batch size, as one more block
+    live at the step's start ((sizes, flags) for StepModel.build's extra_start: not
+    batch-shaped, so fixed), or None: the larger of pipeline_buffers(trace), measured, and
+    pipeline_fills(dataset), what its caches and shuffle buffers hold once filled."""
+    size = max(pipeline_buffers(trace) if trace is not None else 0,
+               pipeline_fills(dataset) if dataset is not None else 0)
     if size <= 0:
         return None
     return [size], [_core.KINDS.index("data") << _core.ALLOC_KIND_SHIFT]
+
+
+# Transformations that hold elements whatever the batch size (TensorFlow 2.21's
+# tensorflow/python/data/ops/ class names): an in-memory cache() holds every element of
+# its input from the end of the first epoch on, and shuffle() fills its buffer at each
+# epoch's start. A failed step early in the first epoch meets the cache partly filled (a
+# CNN on 4,000 images through map(), cache(), shuffle(1000) under 256 MiB, refused in its
+# first step at 305: the short runs on arrays completed at 196, and the retry at 185 ran
+# out as the cache filled, where 191 is the most that trains).
+_CACHES = frozenset({"CacheDataset", "_CacheDataset", "_MemoryCacheDataset"})
+
+
+def pipeline_fills(dataset):
+    """The bytes `dataset`'s in-memory caches and shuffle buffers hold once filled: each
+    cache() every element of its input, each shuffle() buffer_size of its input's elements
+    (fewer where the input has fewer), by the elements' static shapes and dtypes, each
+    tensor rounded up to the pool's 64-byte granule. Elements of unknown size (strings,
+    an unknown dimension, as batches have) and inputs of unknown length count 0: those
+    the failed step's measurement covers as far as it met them (pipeline_buffers)."""
+    total, todo, seen = 0, [dataset], set()
+    for _ in range(1024):  # a pipeline is a tree; the bound only guards against a cycle
+        if not todo:
+            break
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        name = type(node).__name__
+        source = getattr(node, "_input_dataset", None)
+        if source is not None and name in _CACHES and _static(getattr(node, "_filename", None)) in (b"", ""):
+            total += _element_bytes(source, _origin(source)) * max(0, _cardinality(source))
+        elif source is not None and name == "_ShuffleDataset":
+            n, buffer = _cardinality(source), _static(getattr(node, "_buffer_size", None))
+            if isinstance(buffer, (int, np.integer)) and buffer > 0:
+                total += _element_bytes(source, _origin(source)) * (min(int(buffer), n) if n >= 0 else int(buffer))
+        try:
+            todo.extend(node._inputs())
+        except Exception:  # noqa: BLE001 - a private method of tf.data's: the walk ends here
+            pass
+    return int(total)
+
+
+def _static(value):
+    """A tf.data node's scalar argument as a Python value, or None."""
+    import tensorflow as tf
+    try:
+        got = tf.get_static_value(value)
+    except Exception:  # noqa: BLE001
+        return None
+    return got.item() if isinstance(got, np.ndarray) and got.ndim == 0 else got
+
+
+def _cardinality(dataset):
+    """The elements `dataset` yields in an epoch; negative where infinite or unknown."""
+    try:
+        return int(dataset.cardinality())
+    except Exception:  # noqa: BLE001
+        return -2
+
+
+# Transformations whose elements are their input's tensors, not new ones.
+_SAME_TENSORS = frozenset({"_TakeDataset", "_SkipDataset", "_ShardDataset", "_FilterDataset", "_OptionsDataset",
+                           "_PrefetchDataset", "_ShuffleDataset", "_RepeatDataset", "_AssertCardinalityDataset"})
+
+
+def _origin(dataset):
+    """Where `dataset`'s element tensors come from, through transformations that pass
+    tensors on as they are: "cache" (an in-memory cache() holds them, and is counted as
+    such), "slices" (from_tensor_slices: a slice whose bytes are a multiple of the
+    alignment is a view of the source tensor, no new block; a shuffle buffer of all 4,000
+    32x32x3 float32 images of from_tensor_slices added 0.21 MiB to the pool, their
+    labels' copies; after a map(), 47 MiB), else "new" (made per element: map, decoding,
+    generators)."""
+    for _ in range(256):
+        name = type(dataset).__name__
+        if name == "_TensorSliceDataset":
+            return "slices"
+        if name in _CACHES:
+            return "cache"
+        if name not in _SAME_TENSORS:
+            return "new"
+        dataset = getattr(dataset, "_input_dataset", None)
+        if dataset is None:
+            return "new"
+    return "new"
+
+
+def _element_bytes(dataset, origin="new"):
+    """The new bytes one element of `dataset` puts in the pool by its element_spec (each
+    tensor rounded up to 64 bytes; none where a cache holds them, nor for slices of the
+    source tensor that are 64-byte multiples; see _origin), or 0 where a shape is not
+    fully known or a dtype has no fixed size (strings)."""
+    import tensorflow as tf
+    if origin == "cache":
+        return 0
+    total = 0
+    for spec in tf.nest.flatten(getattr(dataset, "element_spec", None)):
+        shape, dtype = getattr(spec, "shape", None), getattr(spec, "dtype", None)
+        if shape is None or dtype is None or not shape.is_fully_defined() or dtype == tf.string or \
+                not isinstance(spec, tf.TensorSpec):
+            return 0
+        nbytes = shape.num_elements() * dtype.size
+        if not (origin == "slices" and nbytes and nbytes % 64 == 0):
+            total += -(-max(1, nbytes) // 64) * 64
+    return total
 
 
 def _host(t):
