@@ -21,7 +21,7 @@ which some batch of any batch size holds, so that the short runs take the worst 
 """
 import numpy as np
 
-from tf_memguard import _core
+from tf_memguard import _core, _fit_args
 from tf_memguard._step_trace import _ALLOC, _FREE, _OVERSHOOT, kind_of
 
 # Samples taken, in batches of the failed size: the short runs after the OOM go up to
@@ -161,7 +161,9 @@ def pipeline_fills(dataset):
         name = type(node).__name__
         source = getattr(node, "_input_dataset", None)
         if source is not None and name in _CACHES and _static(getattr(node, "_filename", None)) in (b"", ""):
-            total += _element_bytes(source, _origin(source)) * max(0, _cardinality(source))
+            # (A cache after batch() holds every batch: as many samples whatever the size.)
+            total += _element_bytes(source, _origin(source), _fit_args.dataset_batch_size(source)) * \
+                max(0, _cardinality(source))
         elif source is not None and name == "_ShuffleDataset":
             n, buffer = _cardinality(source), _static(getattr(node, "_buffer_size", None))
             if isinstance(buffer, (int, np.integer)) and buffer > 0:
@@ -218,17 +220,20 @@ def _origin(dataset):
     return "new"
 
 
-def _element_bytes(dataset, origin="new"):
+def _element_bytes(dataset, origin="new", batch=None):
     """The new bytes one element of `dataset` puts in the pool by its element_spec (each
     tensor rounded up to 64 bytes; none where a cache holds them, nor for slices of the
     source tensor that are 64-byte multiples; see _origin), or 0 where a shape is not
-    fully known or a dtype has no fixed size (strings)."""
+    fully known or a dtype has no fixed size (strings). `batch`: the size of an unknown
+    first dimension (the batch() a cache of batches follows), else unknown."""
     import tensorflow as tf
     if origin == "cache":
         return 0
     total = 0
     for spec in tf.nest.flatten(getattr(dataset, "element_spec", None)):
         shape, dtype = getattr(spec, "shape", None), getattr(spec, "dtype", None)
+        if shape is not None and batch and shape.rank and shape[0] is None:
+            shape = tf.TensorShape([batch]).concatenate(shape[1:])
         if shape is None or dtype is None or not shape.is_fully_defined() or dtype == tf.string or \
                 not isinstance(spec, tf.TensorSpec):
             return 0
