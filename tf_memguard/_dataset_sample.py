@@ -161,9 +161,13 @@ def pipeline_fills(dataset):
         name = type(node).__name__
         source = getattr(node, "_input_dataset", None)
         if source is not None and name in _CACHES and _static(getattr(node, "_filename", None)) in (b"", ""):
-            # (A cache after batch() holds every batch: as many samples whatever the size.)
-            total += _element_bytes(source, _origin(source), _fit_args.dataset_batch_size(source)) * \
-                max(0, _cardinality(source))
+            # A cache after batch() holds every batch: the samples batch() is given, whatever
+            # the size (the last batch partial: not counted as a whole one).
+            batch, samples = _fit_args.dataset_batch_size(source), _batched_samples(source)
+            if batch and samples >= 0 and _element_bytes(source) == 0:
+                total += _element_bytes(source, _origin(source), batch) * samples // batch
+            else:
+                total += _element_bytes(source, _origin(source), batch) * max(0, _cardinality(source))
         elif source is not None and name == "_ShuffleDataset":
             n, buffer = _cardinality(source), _static(getattr(node, "_buffer_size", None))
             if isinstance(buffer, (int, np.integer)) and buffer > 0:
@@ -183,6 +187,15 @@ def _static(value):
     except Exception:  # noqa: BLE001
         return None
     return got.item() if isinstance(got, np.ndarray) and got.ndim == 0 else got
+
+
+def _batched_samples(dataset):
+    """The samples the last batch() of `dataset`'s pipeline is given in an epoch (one
+    such node, through transformations that keep batches), or -1 where unknown."""
+    nodes = _fit_args._last_batches(dataset, _fit_args._KEEPS_BATCHES)
+    if not nodes or len(nodes) != 1 or getattr(nodes[0], "_input_dataset", None) is None:
+        return -1
+    return _cardinality(nodes[0]._input_dataset)
 
 
 def _cardinality(dataset):
