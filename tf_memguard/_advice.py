@@ -7,6 +7,7 @@ budget. When not even a batch of 1 fits, they say so, and which budget would.
 """
 import dataclasses
 
+from tf_memguard import _fit_args
 from tf_memguard._fit_args import round_down
 from tf_memguard._units import format_bytes
 
@@ -170,12 +171,10 @@ def format_what_if(rows, largest, budget):
     return "\n".join(lines)
 
 
-
 def dataset_sentence(s, dataset):
     """What to do with the dataset a fit() that ran out was given, after the sentence on
     `s` (the Suggestion named after the failure, held_twice's): its batches are its own,
     so it is built again at s.batch_size."""
-    from tf_memguard import _fit_args
     if _fit_args.is_py_dataset(dataset):
         return f" The PyDataset makes its own batches: make them of {s.batch_size} samples."
     how = _fit_args.dataset_batch_method(dataset)

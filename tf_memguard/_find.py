@@ -261,8 +261,9 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         # the most that trained). It may be below the last size that completed (a step that
         # ran without Keras' copy of the arrays, for which the room is kept).
         size = min(current.largest_fitting(room, at_most=n), too_large - 1, good.batch_size)
-        if size >= replicas(model):
-            size = round_down(size, replicas(model))  # a size the strategy's replicas can split
+        split = replicas(model)
+        if size >= split:
+            size = round_down(size, split)  # a size the strategy's replicas can split
         if fixed is not None and size < fixed:
             raise _core.OutOfBudgetError(
                 f"find_batch_size: the model's inputs fix the batch size at {fixed} (keras.Input(batch_shape=...)), "
