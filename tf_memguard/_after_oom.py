@@ -141,20 +141,13 @@ def model_after_oom(sampler, model):
             return True
         return build(trace).fits(trace.batch_size, limit())
 
-    good = None
-    sizes, size = [], sampler.b0 // 2
-    while size > 1:
-        sizes.append(size)
-        size //= DESCENT
-    for size in sizes + [1]:
-        if size >= sampler.too_large:
-            continue
-        good = sampler.short_fit(model, size, all_samples=True)
-        if ran(good):
-            sampler.after_oom.append(good.batch_size)  # the size that ran (_fit_args.runnable)
-            break
-        sampler.too_large = min(sampler.too_large, size)
-        good = None
+    def run_at(size, waits):
+        sampler.data.waits = waits
+        trace = sampler.short_fit(model, size, all_samples=True)
+        return trace if ran(trace) else None
+    good, sampler.too_large, _ = descend(sampler.b0, sampler.too_large, run_at, sampler.pool.wait > 0)
+    if good is not None:
+        sampler.after_oom.append(good.batch_size)  # the size that ran (_fit_args.runnable)
     if good is None:
         # Not even a batch of 1 ran: none fits (advice_cap is 0), and the failed step
         # says what a batch of 1 would need at least.
@@ -264,6 +257,35 @@ def model_after_oom(sampler, model):
     current = with_failed(build(good, completed[-2]) if len(completed) > 1 else build(good))
     sampler.cap = good.batch_size
     return sampler.use_model(current)
+
+
+def descend(b0, too_large, run_at, can_wait):
+    """The first short runs after an OOM at `b0`: at b0 // 2, then down by DESCENT to a
+    batch of 1 (below `too_large`, the smallest size known refused), until one completes
+    (`run_at(size, waits)`: its trace, or None where it was refused). Their requests do
+    not wait for frees (_recording.fit_steps); where not even a batch of 1 completes and
+    `can_wait` (the retry's requests will wait), the same descent with waits, and every
+    run after it waits too. A step's fixed workspaces can meet whatever its batch size:
+    TensorFlow's convolution backprop takes 24.6 MB (its 30 MiB working set) at any batch
+    of an embedding and two Conv1D over 600 tokens; under 40 MiB two of them met in some
+    short runs, every size down to 1 was refused, and the advice named 0 where 8 to 17
+    train (waiting, the second waits for the first to free its own). Returns (the trace
+    that completed or None, the smallest size refused, whether the runs wait)."""
+    sizes, size = [], b0 // 2
+    while size > 1:
+        sizes.append(size)
+        size //= DESCENT
+    refused = too_large
+    for waits in (False, True) if can_wait else (False,):
+        refused = too_large
+        for size in sizes + [1]:
+            if size >= refused:
+                continue
+            trace = run_at(size, waits)
+            if trace is not None:
+                return trace, refused, waits
+            refused = size
+    return None, refused, bool(can_wait)
 
 
 def settle(first, pending, too_large, run_at, confirm, runs=None):

@@ -41,8 +41,10 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     largest size that completed to the smallest refused. Every block of the step becomes
     a line in the batch size, and the step scaled to a candidate size is replayed through
     the pool's own code (benchmarks/NOTES.md, "How the advice works"); the answer is the
-    largest size whose replay fits, below every size refused. The model's weights and
-    optimizer state are restored exactly afterwards; its metrics are reset.
+    largest size whose replay fits, below every size refused. The steps' requests do
+    not wait for frees (the model is of the step as it runs without waits), unless not
+    even a batch of 1 completes without: then they wait, as fit()'s will. The model's
+    weights and optimizer state are restored exactly afterwards; its metrics are reset.
 
     Args:
         model: a compiled Keras model.
@@ -144,8 +146,10 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
     val_copies = [-(-fed_nbytes(a) // align) * align for a in _arrays(val)] \
         if _backend.framework() == "tensorflow" else []
 
+    waits_now = [False]  # the steps' requests wait as the pool's do (first_step), else not
+
     def steps_at(size, steps):
-        trace = fit_steps(model, x, y, size, recorder, steps=steps, fit_kwargs=weights)
+        trace = fit_steps(model, x, y, size, recorder, steps=steps, fit_kwargs=weights, waits=waits_now[0])
         return without_blocks(trace, copies, kind="input") if trace is not None else None
     held = sum(copies) + sum(val_copies)
     room = budget - held
@@ -157,18 +161,17 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         # The only size the model runs: one step at it, and no other size tried.
         start, steps = fixed, first_steps
     try:
-        b1 = min(int(start) if start else 32, n)
-        first = steps_at(b1, first_steps)
-        snapshot.restore()
+        def run_at(size, waits):
+            waits_now[0] = waits
+            trace = steps_at(size, first_steps)
+            snapshot.restore()
+            return trace
         # The default first size is a guess, not the user's: a model whose limit lies
         # below it (a transformer over long sequences, a segmentation network at a large
         # image size) gets its size from halving it until its step completes, each size
         # refused a bound on the answer. An explicit `start` that does not fit raises.
-        refused = n + 1
-        while (first is None or not first.complete) and not start and b1 > 1:
-            refused, b1 = b1, b1 // 2
-            first = steps_at(b1, first_steps)
-            snapshot.restore()
+        first, b1, refused, _ = first_step(min(int(start) if start else 32, n), not start, run_at, pool.wait > 0)
+        refused = n + 1 if refused is None else refused
         if first is None or not first.complete:
             m = StepModel.build(first, None) if first is not None else None
             need = f"; it needs more than {format_bytes(m.need(b1)['peak_account'] + held)}" if m else ""
@@ -283,6 +286,26 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         if budget != previous and previous:
             pool.set_limit(previous)
     return max(1, int(size))
+
+
+def first_step(size, halving, run_at, can_wait):
+    """find_batch_size's first step: at `size`, and while it is refused, at half the size
+    (where `halving`: the default start, not the user's) down to 1 (`run_at(size, waits)`:
+    the recorded step, complete or not, or None). Its requests do not wait for frees
+    (_recording.fit_steps); where not even the last size tried completes and `can_wait`
+    (fit()'s requests will wait), the same again with waits, and every step after it
+    waits too: fixed workspaces that meet whatever the batch size (see
+    _after_oom.descend). Returns (the last step, its size, the smallest size refused
+    or None, whether the steps wait)."""
+    for waits in (False, True) if can_wait else (False,):
+        b, refused = size, None
+        trace = run_at(b, waits)
+        while (trace is None or not trace.complete) and halving and b > 1:
+            refused, b = b, b // 2
+            trace = run_at(b, waits)
+        if trace is not None and trace.complete:
+            return trace, b, refused, waits
+    return trace, b, refused, bool(can_wait)
 
 
 def _validation_arrays(data):

@@ -160,7 +160,7 @@ def _record_step(recorder, batch_size, at=1, epoch_at=0, full=None):
     return RecordStep()
 
 
-def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1, fit_kwargs=None):
+def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1, fit_kwargs=None, waits=False):
     """`steps` steps of fit() at `batch_size` (1 or more), the last recorded (fit()'s own
     pipeline, its copy of the data, the trace of the step it runs): a StepTrace,
     complete=False when the recorded step was refused; None when an earlier one was.
@@ -177,7 +177,9 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
     memory model is of the step as it runs without waits, and a run that completed only
     because its requests waited would prove a size at the budget's very edge (keras.io's
     MNIST convnet after an OOM at 320: short runs at 240 completed with waits, and the
-    retry at 240 ran out in 1 of 3 processes; benchmarks/NOTES.md, "Waiting for frees")."""
+    retry at 240 ran out in 1 of 3 processes; benchmarks/NOTES.md, "Waiting for frees").
+    With `waits`, its requests wait as the pool's do: where not even a batch of 1
+    completes without (_after_oom.model_after_oom, find_batch_size)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"fit_steps(steps={steps!r}): must be an int of at least 1")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
@@ -204,7 +206,8 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
     _nested.append(True)
     gc.collect()
     wait = recorder.pool.wait
-    recorder.pool.set_wait(0)
+    if not waits:
+        recorder.pool.set_wait(0)
     dead_watch = _dead_models.Watch()
     try:
         with _OneStepPerExecution(model):

@@ -45,6 +45,9 @@ class StepData:
         # tf.data's buffers are in).
         self._dataset = weakref.ref(dataset) if dataset is not None and tf else None
         self.from_dataset = False
+        # Whether the short runs' requests wait for frees as the pool's do (off by default:
+        # _recording.fit_steps); on once no size down to a batch of 1 completed without.
+        self.waits = False
         # Whether the dataset's batches vary in shape beyond the batch dimension, and then
         # the longest shapes of an epoch of them (leaf by leaf; taken with the sample), to
         # which the sample is padded: _dataset_sample. `steps`: fit()'s steps per epoch.
@@ -102,7 +105,7 @@ class StepData:
         outer = self.pool.live_blocks() if not all_samples else None
         try:
             trace = _recording.fit_steps(model, self.x, self.y, size, self.recorder, samples=samples, steps=steps,
-                                         epochs=epochs if all_samples else 1)
+                                         epochs=epochs if all_samples else 1, waits=self.waits)
         except Exception as e:  # noqa: BLE001 - the model of the step must never stop the training
             warnings.warn(f"tf_memguard: steps at batch size {size} for the memory model failed "
                           f"({type(e).__name__}: {e}); the advice uses what was recorded", stacklevel=4)

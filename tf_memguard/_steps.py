@@ -310,6 +310,9 @@ class StepSampler:
                 if self.data.longest:
                     what += (" padded to the longest shape of its batches (" +
                              ", ".join("x".join(str(d) for d in shape) for shape in self.data.longest if shape) + ")")
+            if self.data.waits:
+                what += (", their requests waiting for frees as the retry's will (without waits not even a "
+                         "batch of 1 completed)")
             what += "; the largest that completed"
             if self.confirmed:
                 what += f" (and {self.confirmed[1]} at {self.confirmed[0]})"
