@@ -4,6 +4,7 @@ fit()'s arrays when it was given arrays. When it was given a tf.data dataset, no
 until an out-of-memory error: then a sample of the dataset's first batches, taken through
 its whole pipeline as numpy arrays (_dataset_sample), stands in for them.
 """
+import copy
 import warnings
 import weakref
 
@@ -193,6 +194,13 @@ class StepData:
         self.epoch = None
         self.from_dataset = True
         return True
+
+    def sampled(self, batch_size):
+        """A copy of this StepData whose x and y are a sample of the dataset's first batches
+        (sample_dataset(batch_size)), this one left as it is; None where no sample can be
+        taken (no dataset, or it is gone)."""
+        twin = copy.copy(self)
+        return twin if twin.sample_dataset(batch_size) else None
 
     def dataset(self):
         """The tf.data dataset fit() was given, if it is still referenced, else None."""
