@@ -225,8 +225,15 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
         record = self._monitor.epoch_end(epoch, logs, self._talks()) if self._active else None
         if self._active and self._sampler:
             self._sampler.epoch_end(self._epoch, self.model)
-            # A size that ran its epochs within the budget fits, whatever the margins say.
-            ran = self._run_batch if self._monitor.peak() <= self._budget else 0
+            # A size that ran its epochs within the budget fits, whatever the margins say; but
+            # the first epoch's steps did not meet Keras' copy of the validation arrays, made
+            # at its evaluation and held through every later epoch: until a second epoch ran
+            # with it, the model (which adds it) decides. keras.io's timeseries autoencoder
+            # (Conv1D / Conv1DTranspose, validation_split=0.1) at 128 under 48 MiB: epoch 1
+            # peaked at 47.6 MiB, the warning said "A batch size of up to 128 (now 128)
+            # fits" where the model put 128 at 48.8, and epoch 2 ran out, 0.3 MiB short.
+            proven = self._epoch >= 1 or not self._sampler.data.validation_copies
+            ran = self._run_batch if self._monitor.peak() <= self._budget and proven else 0
             self._suggestion = self._suggest(at_least=ran) or self._suggestion
         if self._cluster is not None:  # a collective: every worker takes part, active or not
             self._suggestion = self._cluster.epoch_end(epoch, record, self._budget if self._active else 0,
