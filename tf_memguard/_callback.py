@@ -128,6 +128,7 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
         self._oom_types = _backend.oom_errors()
         self._dead_watch = _dead_models.Watch()   # what TensorFlow keeps of the model once it is gone
         self._pool = _install.device_pool(self._device)
+        self._pool.end_failed_wait()   # a step refused before this fit() has unwound (_guard)
         self._start = self._pool.stats()
         self._budget = self._start["bytes_limit"]
         fit_args = _fit_args.fit_arguments()

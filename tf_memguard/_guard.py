@@ -35,6 +35,13 @@ def wrap(model, callback):
         try:
             return current(*args, **kwargs)
         except cb._oom_types as e:
+            # The call returned: the refused step has unwound. Without this, requests that
+            # do not fit are refused at once (the pool's failed episode, free_wait.h) until
+            # none was refused for the wait time, and a retry begun within it runs without
+            # waits: keras.io's timeseries autoencoder under 48 MiB, retried right after
+            # its OOM at the report's 101-104, ran out 3 of 3 with no request waiting, and
+            # trained 2 of 2 three seconds later (benchmarks/NOTES.md).
+            cb._pool.end_failed_wait()
             if not isinstance(e, budget_exceeded_error()):
                 # The failed step's frames are done: drop their locals, which on PyTorch
                 # hold its activations, so that the steps the advice runs, and the retry,

@@ -208,6 +208,9 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
     wait = recorder.pool.wait
     if not waits:
         recorder.pool.set_wait(0)
+    # A step refused before this run (the failed fit(), a short run before it) has
+    # unwound: with waits, this run's requests wait from its first step on.
+    recorder.pool.end_failed_wait()
     dead_watch = _dead_models.Watch()
     try:
         with _OneStepPerExecution(model):
@@ -220,6 +223,7 @@ def fit_steps(model, x, y, batch_size, recorder, samples=None, steps=2, epochs=1
     finally:
         dead_watch.end()
         recorder.pool.set_wait(wait)
+        recorder.pool.end_failed_wait()   # this run's refused step has unwound
         _nested.pop()
         recorder.abort()
         _core.set_profile_batch(0)

@@ -250,6 +250,10 @@ class Pool {
     call([&] { return tfmg_pool_set_wait(p, static_cast<int64_t>(seconds * 1e9)); });
   }
   double wait() { return tfmg_pool_wait(get()) / 1e9; }
+  void end_failed_wait() {
+    tfmg_pool* p = get();
+    call([&] { return tfmg_pool_end_failed_wait(p); });
+  }
 
   void set_limit(const py::object& max_bytes, bool drain) {
     const uint64_t n = to_u64(max_bytes, "max_bytes", false);
@@ -519,6 +523,9 @@ PYBIND11_MODULE(_core, m) {
            py::arg("wait") = false)
       .def("set_wait", &Pool::set_wait, py::arg("seconds"))
       .def_property_readonly("wait", &Pool::wait)
+      .def("end_failed_wait", &Pool::end_failed_wait,
+           "The step whose wait gave up has unwound: requests that do not fit wait again at once\n"
+           "(else they are refused at once until none was refused for the wait time).")
       .def("free", &Pool::free, py::arg("address"))
       .def("block_size", &Pool::block_size, py::arg("address"))
       .def("set_limit", &Pool::set_limit, py::arg("max_bytes"), py::arg("drain") = false)

@@ -198,6 +198,12 @@ tfmg_status tfmg_pool_set_wait(tfmg_pool* p, int64_t idle_ns) {
 
 int64_t tfmg_pool_wait(tfmg_pool* p) { return p == nullptr ? 0 : p->impl.wait_ns(); }
 
+tfmg_status tfmg_pool_end_failed_wait(tfmg_pool* p) {
+  TFMG_EXPECT_POOL(p);
+  p->impl.end_failed_wait();
+  return TFMG_OK;
+}
+
 tfmg_status tfmg_pool_get_stats(tfmg_pool* p, tfmg_stats* out) {
   TFMG_EXPECT_POOL(p);
   if (out == nullptr) return fail(TFMG_ERROR_INVALID_ARGUMENT, "out must not be null");

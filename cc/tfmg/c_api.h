@@ -282,6 +282,10 @@ TFMG_API tfmg_status tfmg_pool_set_limit_draining(tfmg_pool* pool, uint64_t max_
  * freed before it is refused, in nanoseconds (0: refused at once, the default). Thread-safe. */
 TFMG_API tfmg_status tfmg_pool_set_wait(tfmg_pool* pool, int64_t idle_ns);
 TFMG_API int64_t tfmg_pool_wait(tfmg_pool* pool);
+/* The step whose wait gave up has unwound (the call that ran it returned): requests that
+ * do not fit wait again at once, where they would otherwise be refused at once until none
+ * was refused for the wait time. Thread-safe. */
+TFMG_API tfmg_status tfmg_pool_end_failed_wait(tfmg_pool* pool);
 
 TFMG_API tfmg_status tfmg_pool_get_stats(tfmg_pool* pool, tfmg_stats* out);
 /* As TensorFlow's ClearStats: num_allocs and largest_alloc_size to 0, the peaks to the

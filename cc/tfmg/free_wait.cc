@@ -16,6 +16,11 @@ void free_waiter::give_up_locked(std::int64_t now) {
   ++failures_;  // the other waits of the episode see it and give up too
 }
 
+void free_waiter::end_episode() {
+  std::lock_guard<std::mutex> lock(m_);
+  failed_until_ns_ = 0;
+}
+
 void free_waiter::leave_locked(std::uint64_t ticket) {
   auto it = std::find(queue_.begin(), queue_.end(), ticket);
   if (it != queue_.end()) queue_.erase(it);

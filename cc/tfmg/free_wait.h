@@ -20,7 +20,11 @@
 // other (a recurrent model's loop went on making them: 33 refusals in one failed step).
 // Once a wait has given up, every request waiting then gives up with it, and requests
 // that would wait are refused at once until none has been refused for `idle` (the failed
-// step has unwound).
+// step has unwound), or until the caller says the failed step is over (end_episode()).
+// A retry started within `idle` of the last refusal (a user's try/except, the advice's
+// own runs) would otherwise run its whole first steps without waits: the refusals it then
+// meets extend the episode in turn (benchmarks/NOTES.md, "A retry right after an OOM ran
+// without waits").
 //
 // The cost when nobody waits: one relaxed atomic load per allocation that may wait and
 // per free (waiters_).
@@ -57,6 +61,9 @@ class free_waiter {
   // *waited_ns gets how long it waited.
   template <class TryAllocate>
   void* wait(TryAllocate&& try_allocate, std::int64_t* waited_ns);
+
+  // The failing step has unwound (its call returned): requests that do not fit wait again.
+  void end_episode();
 
   struct counters {
     std::int64_t waits = 0;         // requests that waited

@@ -132,6 +132,8 @@ class pool {
   // How long a waiting request waits without a free before it is refused (0: never waits).
   void set_wait_ns(std::int64_t idle_ns) { waiter_.set_idle_ns(idle_ns); }
   std::int64_t wait_ns() const { return waiter_.idle_ns(); }
+  // The step that failed has unwound: requests wait again at once (free_wait.h, episodes).
+  void end_failed_wait() { waiter_.end_episode(); }
   // Returns false with *error set for unknown pointers and double frees.
   bool deallocate(void* p, std::size_t* size_out, pool_error* error);
   bool block_size(const void* p, std::size_t* out) const;

@@ -991,6 +991,16 @@ void test_a_wait_gives_up_without_frees_and_the_failing_step_is_not_waited_for()
   CHECK(alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT) == nullptr);  // waits again
   CHECK(now_ms() - t0 >= 90);
   CHECK(stats(p).num_waits == 2 && stats(p).num_waits_served == 0);
+  // The caller ends the episode (the failed step's call returned): the next request
+  // waits at once, not refused until the wait time has passed without refusals.
+  CHECK(alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT) == nullptr);  // at once: the episode
+  CHECK(stats(p).num_waits == 2);
+  CHECK_OK(tfmg_pool_end_failed_wait(p));
+  t0 = now_ms();
+  CHECK(alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT) == nullptr);
+  CHECK(now_ms() - t0 >= 90);
+  CHECK(stats(p).num_waits == 3 && stats(p).num_waits_served == 0);
+  CHECK(tfmg_pool_end_failed_wait(nullptr) != TFMG_OK);
   // Frees that do not make room keep the wait going: each one restarts its clock.
   std::this_thread::sleep_for(std::chrono::milliseconds(150));
   std::atomic<bool> stop{false};

@@ -50,6 +50,26 @@ def test_a_wait_without_frees_is_refused_with_how_long_it_waited_and_the_next_at
     p.close()
 
 
+def test_once_the_failed_step_is_over_a_request_waits_again_at_once():
+    # The episode after a wait that gave up refuses requests at once until none was
+    # refused for the wait time: a retry begun within it ran its steps without waits (the
+    # timeseries autoencoder's retry right after its OOM, 3 of 3 out of memory).
+    # end_failed_wait() (MemGuardCallback calls it once the failed call has returned) ends it.
+    p, held = held_pool(0.3)
+    with pytest.raises(_core.OutOfBudgetError):
+        p.allocate(2 * MiB, wait=True)
+    with pytest.raises(_core.OutOfBudgetError):
+        p.allocate(2 * MiB, wait=True)   # the episode: at once
+    assert p.stats()["num_waits"] == 1
+    p.end_failed_wait()
+    threading.Timer(0.05, p.free, args=(held,)).start()
+    got = p.allocate(2 * MiB, wait=True)   # waits, and the free serves it
+    s = p.stats()
+    assert (s["num_waits"], s["num_waits_served"], s["num_refusals"]) == (2, 1, 2)
+    p.free(got)
+    p.close()
+
+
 def test_a_request_larger_than_the_whole_budget_is_refused_without_waiting():
     # No free can make room for it: it waited the full wait before (a GradientTape step's
     # 112 MiB convolution under 64 MiB, "after waiting 1.00 s").
