@@ -99,6 +99,7 @@ class EvaluationGuard:
                     "Cannot parse tensor from proto" in str(e)
                 if refusal is None or not (isinstance(e, oom_types) or constant):
                     raise   # (not the budget's refusal)
+                pool.end_failed_wait()   # the call returned: its step has unwound (_guard)
                 _recording.clear_chain(e)
                 checking.append(True)
                 try:
@@ -293,6 +294,9 @@ def largest_that_fits(model, phase, data, failed, pool, start):
         except Exception as e:  # noqa: BLE001
             if not (isinstance(e, oom_types) or "Cannot parse tensor from proto" in str(e)):  # (a constant refused)
                 raise
+            # The step returned: the next size's requests wait again at once, not refused
+            # within this one's failed episode (free_wait.h).
+            pool.end_failed_wait()
             _recording.clear_chain(e)
             del e
             # What the step made before it ran out can sit in reference cycles with the
