@@ -11,14 +11,16 @@ std::int64_t free_waiter::now_ns() {
       .count();
 }
 
-void free_waiter::give_up_locked(std::int64_t now) {
+void free_waiter::give_up_locked(std::int64_t now, std::int64_t fits_at) {
   failed_until_ns_ = now + idle_ns();
+  episode_level_.store(fits_at, std::memory_order_relaxed);
   ++failures_;  // the other waits of the episode see it and give up too
 }
 
 void free_waiter::end_episode() {
   std::lock_guard<std::mutex> lock(m_);
   failed_until_ns_ = 0;
+  episode_level_.store(-1, std::memory_order_relaxed);
 }
 
 void free_waiter::leave_locked(std::uint64_t ticket) {

@@ -20,11 +20,14 @@
 // other (a recurrent model's loop went on making them: 33 refusals in one failed step).
 // Once a wait has given up, every request waiting then gives up with it, and requests
 // that would wait are refused at once until none has been refused for `idle` (the failed
-// step has unwound), or until the caller says the failed step is over (end_episode()).
-// A retry started within `idle` of the last refusal (a user's try/except, the advice's
-// own runs) would otherwise run its whole first steps without waits: the refusals it then
-// meets extend the episode in turn (benchmarks/NOTES.md, "A retry right after an OOM ran
-// without waits").
+// step has unwound). The episode also ends once the bytes in use fall to what would have
+// let the refused request fit (the failed step's memory is gone: in_use_now()), or when
+// the caller says the failed step is over (end_episode()). Without those, a retry started
+// within `idle` of the last refusal (a user's try/except loop, the advice's own runs) ran
+// its steps without waits, and each refusal it then met extended the episode in turn:
+// keras.io's timeseries autoencoder, tried at 160, 128, 100 and 80 under 48 MiB in one
+// loop, ran out at every size within 0.2 s with no request waiting, where 100 trains
+// (benchmarks/NOTES.md, "A retry right after an OOM ran without waits").
 //
 // The cost when nobody waits: one relaxed atomic load per allocation that may wait and
 // per free (waiters_).
@@ -53,14 +56,22 @@ class free_waiter {
   void notify() {
     if (waiters_.load(std::memory_order_seq_cst) != 0) notify_slow();
   }
+  // After a free, with the bytes then in use: ends a failed episode once they are at or
+  // under the level its refused request would have fitted at. One relaxed load otherwise.
+  void in_use_now(std::int64_t in_use) {
+    const std::int64_t level = episode_level_.load(std::memory_order_relaxed);
+    if (level >= 0 && in_use <= level) end_episode();
+  }
 
   // One wait of one request. `try_allocate()` is the pool's quiet attempt (nullptr when
   // it still does not fit); it is called when the request is the oldest waiting, and
   // again after each free. Returns the block, or nullptr once the wait gave up (or the
   // episode failed, or no wait is set): the caller then refuses the request, recorded.
   // *waited_ns gets how long it waited.
+  // `fits_at`: the bytes in use at or under which the request would fit (the budget less
+  // its size; -1: unknown), the level that ends the episode should this wait give up.
   template <class TryAllocate>
-  void* wait(TryAllocate&& try_allocate, std::int64_t* waited_ns);
+  void* wait(TryAllocate&& try_allocate, std::int64_t* waited_ns, std::int64_t fits_at = -1);
 
   // The failing step has unwound (its call returned): requests that do not fit wait again.
   void end_episode();
@@ -78,7 +89,7 @@ class free_waiter {
 
  private:
   // All under m_.
-  void give_up_locked(std::int64_t now);
+  void give_up_locked(std::int64_t now, std::int64_t fits_at);
   void leave_locked(std::uint64_t ticket);
   void notify_slow();
   void note_served(std::int64_t waited);
@@ -92,11 +103,13 @@ class free_waiter {
   std::uint64_t frees_ = 0;     // frees seen while someone waited
   std::uint64_t failures_ = 0;  // waits that gave up
   std::int64_t failed_until_ns_ = 0;  // until then, requests that would wait are refused
+  // The bytes in use at or under which the episode ends (in_use_now); -1: none to end.
+  std::atomic<std::int64_t> episode_level_{-1};
   std::atomic<std::int64_t> waits_{0}, served_{0}, wait_ns_{0}, longest_ns_{0};
 };
 
 template <class TryAllocate>
-void* free_waiter::wait(TryAllocate&& try_allocate, std::int64_t* waited_ns) {
+void* free_waiter::wait(TryAllocate&& try_allocate, std::int64_t* waited_ns, std::int64_t fits_at) {
   *waited_ns = 0;
   const std::int64_t idle = idle_ns();
   if (idle <= 0) return nullptr;
@@ -132,7 +145,7 @@ void* free_waiter::wait(TryAllocate&& try_allocate, std::int64_t* waited_ns) {
     }
     const std::int64_t now = now_ns();
     if (now - last_free >= idle) {
-      give_up_locked(now);
+      give_up_locked(now, fits_at);
       break;
     }
     cv_.wait_for(lock, std::chrono::nanoseconds(last_free + idle - now));

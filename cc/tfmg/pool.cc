@@ -216,7 +216,8 @@ void* pool::allocate_waiting(std::size_t bytes, std::size_t alignment, unsigned 
   // A request larger than the whole budget can never be served, whatever other threads
   // free: refused at once (a GradientTape step's 112 MiB convolution under 64 MiB waited
   // the full second before its refusal).
-  if (exceeds_budget(bytes)) return allocate_now(bytes, alignment, flags, error);
+  const std::size_t limit = budget();
+  if (limit != 0 && bytes > limit) return allocate_now(bytes, alignment, flags, error);
   void* p = nullptr;
   std::int64_t waited = 0;
   p = waiter_.wait(
@@ -224,7 +225,7 @@ void* pool::allocate_waiting(std::size_t bytes, std::size_t alignment, unsigned 
         pool_error e{};
         return allocate_now(bytes, alignment, quiet, &e);
       },
-      &waited);
+      &waited, limit == 0 ? -1 : static_cast<std::int64_t>(limit - bytes));
   if (p != nullptr) return p;
   // Refused: recorded, with how long it waited. A quiet request is the caller's probe: the
   // wait is kept for the refusal the caller records next on this thread.
@@ -232,9 +233,9 @@ void* pool::allocate_waiting(std::size_t bytes, std::size_t alignment, unsigned 
   return allocate_now(bytes, alignment, flags, error);
 }
 
-bool pool::exceeds_budget(std::size_t bytes) {
+std::size_t pool::budget() {
   std::lock_guard<pool_lock> lock(mutex_);
-  return limit_ != 0 && bytes > limit_;
+  return limit_;
 }
 
 void* pool::allocate_now(std::size_t bytes, std::size_t alignment, unsigned flags,
@@ -836,11 +837,16 @@ bool pool::deallocate(void* p, std::size_t* size_out, pool_error* error) {
     return true;
   }
   bool freed;
+  std::size_t in_use;
   {
     std::lock_guard<pool_lock> lock(mutex_);
     freed = deallocate_locked(p, size_out, error);
+    in_use = pooled_in_use_ + passthrough_in_use_ + overshoot_in_use_;
   }
-  if (freed) waiter_.notify();  // one relaxed load unless a request waits
+  if (freed) {
+    waiter_.notify();  // one relaxed load unless a request waits
+    waiter_.in_use_now(static_cast<std::int64_t>(in_use));  // one relaxed load outside a failed episode
+  }
   return freed;
 }
 

@@ -170,8 +170,8 @@ class pool {
   struct block;
   void* allocate_now(std::size_t bytes, std::size_t alignment, unsigned flags, pool_error* error);
   void* allocate_waiting(std::size_t bytes, std::size_t alignment, unsigned flags, pool_error* error);
-  // Whether `bytes` is more than the whole budget (no free can make room for it).
-  bool exceeds_budget(std::size_t bytes);
+  // The budget (0: none), read under the lock.
+  std::size_t budget();
   bool deallocate_locked(void* p, std::size_t* size_out, pool_error* error);
   bool set_limit_locked(std::size_t max_bytes, bool drain, pool_error* error);
   // The tree key holds size and address itself, so a search touches only tree nodes,

@@ -1027,6 +1027,41 @@ void test_a_wait_gives_up_without_frees_and_the_failing_step_is_not_waited_for()
   CHECK_OK(tfmg_pool_destroy(p, 0));
 }
 
+// The failed episode ends once the bytes in use fall to what would have let the refused
+// request fit (the failed step's memory is gone), without the caller saying so: a retry's
+// requests then wait again, though it begins within the wait time.
+void test_the_failed_episode_ends_when_the_failed_steps_memory_is_freed() {
+  tfmg_pool* p = make_pool(4 * MiB);
+  void* a = alloc(p, 3 * MiB / 2);
+  void* b = alloc(p, 3 * MiB / 2);
+  // No free for the wait time: refused (a short wait for the test).
+  CHECK_OK(tfmg_pool_set_wait(p, 100 * int64_t{1000000}));
+  CHECK(alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT) == nullptr);
+  CHECK(stats(p).num_waits == 1);
+  CHECK(alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT) == nullptr);  // the episode: at once
+  CHECK(stats(p).num_waits == 1);
+  void* small = alloc(p, 256 << 10);  // in use 3.25 MiB: above the 2 MiB level, the episode goes on
+  tfmg_pool_deallocate(p, small, nullptr);
+  CHECK(alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT) == nullptr);
+  CHECK(stats(p).num_waits == 1);
+  tfmg_pool_deallocate(p, b, nullptr);  // 1.5 MiB in use: the 2 MiB request would fit
+  CHECK_OK(tfmg_pool_set_wait(p, 5000 * int64_t{1000000}));
+  void* c = alloc(p, 3 * MiB / 2);      // the retry's own blocks: 3 MiB in use again
+  std::thread freer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    tfmg_pool_deallocate(p, c, nullptr);
+  });
+  const int64_t t0 = now_ms();
+  void* got = alloc_flags(p, 2 * MiB, TFMG_ALLOC_WAIT);  // waits, and the free serves it
+  freer.join();
+  CHECK(got != nullptr && now_ms() - t0 >= 40);
+  CHECK(stats(p).num_waits == 2 && stats(p).num_waits_served == 1);
+  CHECK(valid(p));
+  tfmg_pool_deallocate(p, got, nullptr);
+  tfmg_pool_deallocate(p, a, nullptr);
+  CHECK_OK(tfmg_pool_destroy(p, 0));
+}
+
 // Oldest first: while a request waits, a later one waits behind it even where it would
 // fit, and they are served in the order they came; requests without the flag are not held.
 void test_waiting_requests_are_served_oldest_first() {
@@ -1305,6 +1340,8 @@ int main() {
        test_a_waiting_request_is_served_when_another_thread_frees},
       {"a_wait_gives_up_without_frees_and_the_failing_step_is_not_waited_for",
        test_a_wait_gives_up_without_frees_and_the_failing_step_is_not_waited_for},
+      {"the_failed_episode_ends_when_the_failed_steps_memory_is_freed",
+       test_the_failed_episode_ends_when_the_failed_steps_memory_is_freed},
       {"raising_the_budget_serves_a_waiting_request", test_raising_the_budget_serves_a_waiting_request},
       {"waiting_requests_are_served_oldest_first", test_waiting_requests_are_served_oldest_first},
       {"threads_waiting_near_the_budget_keep_the_pool_valid", test_threads_waiting_near_the_budget_keep_the_pool_valid},

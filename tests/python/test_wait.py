@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tf_memguard import _core
-from tfproc import run
+from tfproc import HARD, run
 
 MiB = 1 << 20
 
@@ -177,3 +177,49 @@ def test_the_oom_note_says_how_long_the_refused_request_waited():
     assert "waiting" not in _oom.explain("CPU:0", p.last_refusal())
     p.free(held)
     p.close()
+
+
+@pytest.mark.tf
+def test_a_users_own_loop_of_smaller_sizes_after_an_oom_gets_its_waits_back_without_the_callback():
+    # keras.io's timeseries anomaly-detection autoencoder under 48 MiB (its convolutions take
+    # 23-26 MB workspaces whatever the batch, two of which meet unless one waits), fit()
+    # tried at 160, 128, 112, 100, 90 and 80 in one loop, no MemGuardCallback: after the
+    # first OOM the pool's failed episode refused every request that did not fit at once,
+    # each refusal extending it, and every size down to 80 ran out within 0.2 s with no
+    # request waiting (3 of 3 processes), where 112-128 train. The episode now ends once
+    # the bytes in use fall to what the refused request would have fitted beside.
+    r = run("""
+        import gc
+        import numpy as np
+        import tf_memguard
+        tf_memguard.install(max_bytes="48MiB")
+        import keras, tensorflow as tf
+        L = keras.layers
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((288, 1)),
+                              L.Conv1D(32, 7, padding="same", strides=2, activation="relu"), L.Dropout(0.2),
+                              L.Conv1D(16, 7, padding="same", strides=2, activation="relu"),
+                              L.Conv1DTranspose(16, 7, padding="same", strides=2, activation="relu"), L.Dropout(0.2),
+                              L.Conv1DTranspose(32, 7, padding="same", strides=2, activation="relu"),
+                              L.Conv1DTranspose(1, 7, padding="same")])
+        m.compile(keras.optimizers.Adam(1e-3), "mse")
+        t = np.arange(4032 + 288)
+        series = (np.sin(t * 2 * np.pi / 288) + 0.3 * np.random.default_rng(0).standard_normal(t.size)).astype("float32")
+        xs = np.stack([series[i:i + 288] for i in range(4032)])[..., None]
+        tried = []
+        for size in (160, 128, 112, 100, 90, 80):
+            before = tf_memguard.stats()["num_waits"]
+            try:
+                m.fit(xs, xs, batch_size=size, epochs=2, validation_split=0.1, verbose=0)
+                tried.append([size, "trained", tf_memguard.stats()["num_waits"] - before])
+                break
+            except tf.errors.ResourceExhaustedError:
+                tried.append([size, "ran out", tf_memguard.stats()["num_waits"] - before])
+            gc.collect()
+        emit(tried=tried, peak_reserved=tf_memguard.stats()["peak_bytes_reserved"])
+    """, env=HARD)
+    assert r.returncode == 0, r
+    tried = r.data["tried"]
+    assert tried[-1][1] == "trained" and tried[-1][2] > 0, tried   # it trained, its requests waiting
+    assert tried[-1][0] >= 100, tried                              # 112-128 train; the loop stopped early
+    assert r.data["peak_reserved"] <= 48 << 20, r.data
