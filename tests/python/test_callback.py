@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tfproc import HARD, run
+from tfproc import HARD, TIMESERIES_AUTOENCODER, run
 
 pytestmark = pytest.mark.tf
 
@@ -1453,18 +1453,7 @@ def test_the_first_epochs_warning_does_not_vouch_for_a_size_the_validation_copy_
     r = run(SETUP, """
         import gc, re, warnings
         tf_memguard.install(max_bytes="48MiB")
-        L = keras.layers
-        keras.utils.set_random_seed(0)
-        m = keras.Sequential([keras.Input((288, 1)),
-                              L.Conv1D(32, 7, padding="same", strides=2, activation="relu"), L.Dropout(0.2),
-                              L.Conv1D(16, 7, padding="same", strides=2, activation="relu"),
-                              L.Conv1DTranspose(16, 7, padding="same", strides=2, activation="relu"), L.Dropout(0.2),
-                              L.Conv1DTranspose(32, 7, padding="same", strides=2, activation="relu"),
-                              L.Conv1DTranspose(1, 7, padding="same")])
-        m.compile(keras.optimizers.Adam(1e-3), "mse")
-        t = np.arange(4032 + 288)
-        series = (np.sin(t * 2 * np.pi / 288) + 0.3 * np.random.default_rng(0).standard_normal(t.size)).astype("float32")
-        xs = np.stack([series[i:i + 288] for i in range(4032)])[..., None]
+    """, TIMESERIES_AUTOENCODER, """
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:

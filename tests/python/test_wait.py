@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tf_memguard import _core
-from tfproc import HARD, run
+from tfproc import HARD, TIMESERIES_AUTOENCODER, run
 
 MiB = 1 << 20
 
@@ -194,18 +194,7 @@ def test_a_users_own_loop_of_smaller_sizes_after_an_oom_gets_its_waits_back_with
         import tf_memguard
         tf_memguard.install(max_bytes="48MiB")
         import keras, tensorflow as tf
-        L = keras.layers
-        keras.utils.set_random_seed(0)
-        m = keras.Sequential([keras.Input((288, 1)),
-                              L.Conv1D(32, 7, padding="same", strides=2, activation="relu"), L.Dropout(0.2),
-                              L.Conv1D(16, 7, padding="same", strides=2, activation="relu"),
-                              L.Conv1DTranspose(16, 7, padding="same", strides=2, activation="relu"), L.Dropout(0.2),
-                              L.Conv1DTranspose(32, 7, padding="same", strides=2, activation="relu"),
-                              L.Conv1DTranspose(1, 7, padding="same")])
-        m.compile(keras.optimizers.Adam(1e-3), "mse")
-        t = np.arange(4032 + 288)
-        series = (np.sin(t * 2 * np.pi / 288) + 0.3 * np.random.default_rng(0).standard_normal(t.size)).astype("float32")
-        xs = np.stack([series[i:i + 288] for i in range(4032)])[..., None]
+    """, TIMESERIES_AUTOENCODER, """
         tried = []
         for size in (160, 128, 112, 100, 90, 80):
             before = tf_memguard.stats()["num_waits"]

@@ -25,6 +25,26 @@ HARD = {"TF_ENABLE_ONEDNN_OPTS": "0"}
 ONEDNN = {"TF_ENABLE_ONEDNN_OPTS": "1"}
 UNSET_ONEDNN = {"TF_ENABLE_ONEDNN_OPTS": None}
 
+# A scenario part: keras.io's "Timeseries anomaly detection using an Autoencoder" (Conv1D and
+# Conv1DTranspose over windows of 288 steps; a synthetic series of its shape, 4,032 windows),
+# compiled as `m` with its windows as `xs` (keras and numpy as np imported, install() called).
+# Its convolutions take 23-26 MB workspaces whatever the batch: under 48 MiB two of them meet
+# unless one waits.
+TIMESERIES_AUTOENCODER = """
+L = keras.layers
+keras.utils.set_random_seed(0)
+m = keras.Sequential([keras.Input((288, 1)),
+                      L.Conv1D(32, 7, padding="same", strides=2, activation="relu"), L.Dropout(0.2),
+                      L.Conv1D(16, 7, padding="same", strides=2, activation="relu"),
+                      L.Conv1DTranspose(16, 7, padding="same", strides=2, activation="relu"), L.Dropout(0.2),
+                      L.Conv1DTranspose(32, 7, padding="same", strides=2, activation="relu"),
+                      L.Conv1DTranspose(1, 7, padding="same")])
+m.compile(keras.optimizers.Adam(1e-3), "mse")
+t = np.arange(4032 + 288)
+series = (np.sin(t * 2 * np.pi / 288) + 0.3 * np.random.default_rng(0).standard_normal(t.size)).astype("float32")
+xs = np.stack([series[i:i + 288] for i in range(4032)])[..., None]
+"""
+
 
 class Result:
     def __init__(self, returncode, out, err):
