@@ -219,11 +219,29 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         # the model of the two largest steps that completed says the limit is; after a
         # refusal, where that model says it is with what it was shown to fall short of, but
         # no more than halfway to the refused size.
-        good, current = first, build(first)
-        lower, too_large, used = None, refused, first_steps
+        # The shortfall is this model's, at every size refused, worked out afresh for each
+        # model: a step that completed after a refusal can show what the refused step met
+        # (a workspace taken only above some size), and a shortfall kept from the earlier
+        # model then counts it twice. A test's model with a 100 MiB workspace above 200
+        # samples under 160 MiB: after 32 and 78 completed, 252 was refused (short by about
+        # 0.4 MiB a sample), then 165 and 208 completed, the workspace in 208's step; with
+        # the old shortfall kept, the answer was 97, under sizes that completed.
+        refusals = []
+
+        def modelled(template, other=None):
+            nonlocal short
+            short = 0.0
+            model = build(template, other)
+            fell = max([(room - model.need(r)["peak_account"]) / r for r in refusals], default=0.0)
+            if fell > 0:
+                short = fell
+                model = build(template, other)
+            return model
+
+        good, lower, too_large, used = first, None, refused, first_steps
         if too_large <= n:  # refused in the halving above: the model fell short there
-            short = max(0.0, (room - current.need(too_large)["peak_account"]) / too_large)
-            current = build(first)
+            refusals.append(too_large)
+        current = modelled(first)
         last_steps.clear()
         last_steps.append(first)
         while used + 1 <= steps:
@@ -251,9 +269,8 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
                 per_sample.append(prepared_bytes(good) / good.batch_size)
             else:
                 too_large = size
-                fell_short = room - current.need(size)["peak_account"]
-                short = max(short, fell_short / size)
-            current = build(good, lower)
+                refusals.append(size)
+            current = modelled(good, lower)
         # The answer is the model's, below every size refused and at most the largest size
         # whose step completed: the model picks where to look, the runs decide (as after an
         # out-of-memory error, _steps.model_after_oom). A step's peak moves with the order
