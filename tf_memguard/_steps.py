@@ -235,10 +235,9 @@ class StepSampler:
             # trains. (Not for batches that vary in shape: their sample is padded to the
             # longest of a pass over the dataset, an epoch's reading at every fit().)
             data = data.sampled(self.b0)
-        if data is None or (data.n or 2) < size or self._nested_runs >= MAX_NESTED_RUNS:
+        if data is None or (data.n or 2) < size:
             return
-        self._nested_runs += 1
-        self.lone = data.short_fit(model, size, steps=LONE_STEPS)
+        self.lone = self.short_fit(model, size, steps=LONE_STEPS, data=data)
         self.other = self.lone if self.lone is not None and self.lone.complete else None
         # What a step of the run holds beside its own batch that the short run's step
         # (one step per execution) did not: the batch steps_per_execution's loop fetches.
@@ -269,17 +268,18 @@ class StepSampler:
         if self.tf:
             _core.set_profile_batch(size)
 
-    def short_fit(self, model, size, all_samples=False, steps=2, epochs=1):
-        """StepData.short_fit, at most MAX_NESTED_RUNS times a run for the second size
-        (after an OOM, with `all_samples`, _after_oom's own loops bound them); None in a
-        multi-worker run (`collective`)."""
+    def short_fit(self, model, size, all_samples=False, steps=2, epochs=1, data=None):
+        """StepData.short_fit of `data` (default: the run's), at most MAX_NESTED_RUNS times
+        a run for the second size (after an OOM, with `all_samples`, _after_oom's own loops
+        bound them); None in a multi-worker run (`collective`)."""
+        data = self.data if data is None else data
         if self.collective:
             return None
         if not all_samples:
-            if self.data.x is None or self._nested_runs >= MAX_NESTED_RUNS:
+            if data.x is None or self._nested_runs >= MAX_NESTED_RUNS:
                 return None
             self._nested_runs += 1
-        return self.data.short_fit(model, size, all_samples=all_samples, steps=steps, epochs=epochs)
+        return data.short_fit(model, size, all_samples=all_samples, steps=steps, epochs=epochs)
 
     # -- the model ---------------------------------------------------------------------
 
