@@ -231,12 +231,12 @@ def find_batch_size(model, x, y=None, max_bytes=None, device=None, steps=4, star
         def modelled(template, other=None):
             nonlocal short
             short = 0.0
-            model = build(template, other)
-            fell = max([(room - model.need(r)["peak_account"]) / r for r in refusals], default=0.0)
-            if fell > 0:
-                short = fell
-                model = build(template, other)
-            return model
+            models = build(template, other)
+            fell = max([(room - models.need(r)["peak_account"]) / r for r in refusals], default=0.0)
+            if fell <= 0:
+                return models
+            short = fell
+            return build(template, other)
 
         good, lower, too_large, used = first, None, refused, first_steps
         if too_large <= n:  # refused in the halving above: the model fell short there
