@@ -129,6 +129,9 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
         self._dead_watch = _dead_models.Watch()   # what TensorFlow keeps of the model once it is gone
         self._pool = _install.device_pool(self._device)
         self._pool.end_failed_wait()   # a step refused before this fit() has unwound (_guard)
+        # Before the run's start is taken: on Keras' torch backend, what the fit()'s build
+        # left to the cycle collector, collected.
+        garbage = _recording.collect_build_garbage(self._pool)
         self._start = self._pool.stats()
         self._budget = self._start["bytes_limit"]
         fit_args = _fit_args.fit_arguments()
@@ -153,6 +156,7 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
                                         partial=_fit_args.dataset_partial_batch(x)
                                         if _fit_args.is_dataset(x) and self.batch_size is None else None,
                                         collective=self._cluster is not None)
+            self._sampler.garbage_per_sample = _recording.build_garbage_rate(self.model, garbage, self._run_batch)
         self._epoch = 0           # of this fit(): one resumed with initial_epoch=5 begins at Keras' 5
         self._first_epoch = None  # (whose first epochs the sampler would not have recorded)
         self._warned = False

@@ -372,6 +372,55 @@ def unmet_prepared(trace, most):
 STALE_BATCHES = 2
 
 
+# Keras' torch backend builds a model at its first fit() (and at the first after compile())
+# with backend.compute_output_spec, which runs the model on PyTorch's "meta" device and,
+# where a layer cannot run there, on the GPU with a batch of the first batch's shape
+# (keras/src/backend/torch/core.py, symbolic_call). What that call made is left to the
+# cycle collector, and lives into the fit()'s first steps. keras_hub's Qwen3 backbone with
+# a language-model head (4 GiB, an H100): a fresh fit() began its first two or three steps
+# with that call's logits live (55 x 128 x 8,000 floats at 55: 215 MiB), the steps after
+# them without; the advice of a run at 55 took them as a fixed start block and named 113,
+# and a fresh fit() at 113, where they are 441 MiB, ran out in 3 of 3 processes (111
+# trains). A MemGuardCallback collects them as its fit() begins and keeps their bytes per
+# sample, proportional to the batch, in the models (benchmarks/NOTES.md, "keras_hub on
+# Keras' torch backend").
+_GARBAGE_ATTR = "_tf_memguard_build_garbage_per_sample"
+
+
+def collect_build_garbage(pool):
+    """On Keras' torch backend, at a fit()'s start: gc.collect(), and the bytes it freed from
+    `pool` (what the fit()'s build left to the cycle collector). 0 on the other backends,
+    where nothing is collected."""
+    if _backend.framework() != "torch":
+        return 0
+    before = int(pool.stats()["bytes_in_use"])
+    gc.collect()
+    return max(0, before - int(pool.stats()["bytes_in_use"]))
+
+
+def build_garbage_rate(model, freed, batch_size):
+    """Bytes per sample of a fit() build's leftovers: `freed` (collect_build_garbage) over
+    the size of the fit()'s first batch, and at least what an earlier fit() of `model` in
+    this process measured (a fresh process's first fit() builds again, at its own size;
+    this one may not have). Kept on `model`."""
+    rate = freed / float(batch_size) if batch_size else 0.0
+    rate = max(rate, float(getattr(model, _GARBAGE_ATTR, 0.0) or 0.0))
+    if model is not None and rate > 0:
+        try:
+            object.__setattr__(model, _GARBAGE_ATTR, rate)  # not an attribute Keras tracks or saves
+        except (AttributeError, TypeError):
+            pass
+    return rate
+
+
+def garbage_at(rate, batch_size):
+    """The build's leftovers at `batch_size` (build_garbage's `rate` bytes per sample) as one
+    more batch-tagged block at a step's start ((sizes, flags) for StepModel.build's
+    extra_start), or None where there are none."""
+    size = int(rate * batch_size)
+    return ([size], [SHORTFALL_FLAGS]) if size > 0 else None
+
+
 # Keras' TensorFlow trainer runs the steps of one execution (compile(steps_per_execution=k),
 # k > 1) in a tf.while_loop whose loop variables carry the next batch: the loop's body runs
 # the step on the batch fetched before and fetches the next one

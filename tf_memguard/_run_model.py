@@ -14,10 +14,16 @@ def models_of(sampler, observed_peak=0):
     peak fit() showed at b0)."""
     order = sampler.order_bytes()
 
+    def garbage(trace):
+        # What a fresh fit()'s build leaves into its first steps on Keras' torch backend,
+        # at the trace's batch size (_recording.build_garbage): the run's own steps were
+        # without it, a fresh process's first fit() at the size asked about is not.
+        return _recording.garbage_at(sampler.garbage_per_sample, trace.batch_size)
+
     def steady_of(trace, peak):
         return StepModel.build(trace, sampler.other, observed_peak=peak or None,
                                extra_start=_recording.joined(unmet_prepared(sampler, trace),
-                                                             sampler.data.unmet_copies(trace)),
+                                                             sampler.data.unmet_copies(trace), garbage(trace)),
                                epoch=sampler.data.epoch, order_bytes=order, layout_bytes=sampler.layout_bytes())
     steady = steady_of(sampler.template, observed_peak) if sampler.template is not None else None
     # The steepest order too (sampler.steep), with its own peak: the template's order
@@ -43,7 +49,7 @@ def models_of(sampler, observed_peak=0):
     first = StepModel.build(sampler.first, sampler.other, first=True, epoch=sampler.data.epoch, order_bytes=order,
                             extra_start=_recording.joined(
                                 sampler.data.unmet_copies(sampler.first, validation=False),
-                                kept_blocks(sampler.first) if alone else None),
+                                kept_blocks(sampler.first) if alone else None, garbage(sampler.first)),
                             unseen_share=ONE_DRAW_SPREAD if alone else RUN_SPREAD) \
         if sampler.first is not None else None
     domain = "static" if sampler.static else "all"
@@ -57,7 +63,7 @@ def models_of(sampler, observed_peak=0):
                                       order_batch=sampler.b0,
                                       layout_bytes=sampler.layout_bytes(),
                                       extra_start=_recording.joined(sampler.data.unmet_copies(sampler.lone),
-                                                                    sampler.lone_extra)))
+                                                                    sampler.lone_extra, garbage(sampler.lone))))
         domains.append("dynamic")
     return StepModels(models, domains, samples=sampler.data.n if sampler.tf else None)
 

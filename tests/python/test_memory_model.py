@@ -918,3 +918,57 @@ def test_the_bytes_of_a_kind_live_at_a_steps_start_are_counted():
     assert t.start_bytes("input") == 3 * MiB and t.start_bytes("kernel") == 1 * MiB and t.start_bytes("xla") == 0
     pool.free(a)
     pool.free(b)
+
+
+def test_a_fit_builds_leftovers_are_kept_in_every_model_in_proportion_to_the_batch():
+    # Keras' torch backend builds a model at its first fit() on the GPU where a layer
+    # cannot run on PyTorch's "meta" device, at the first batch's shape, and leaves what
+    # that made to the cycle collector: a fresh fit() meets it in its first steps
+    # (keras_hub's Qwen3 at 113 ran out where the run's own steps, without it, fitted).
+    # MemGuardCallback collects it as its fit() begins; its bytes per sample go into the
+    # models, proportional to the batch size asked about (_recording.build_garbage_rate).
+    from tf_memguard import _recording
+    from tf_memguard._steps import StepSampler
+    def models(rate):
+        pool = make_pool()
+        sampler = StepSampler(pool, 64)
+        sampler.garbage_per_sample = rate   # as MemGuardCallback sets it, at the fit()'s start
+        sampler.epoch_begin(0)
+        for i in range(3):
+            sampler.step_begin(0, i)
+            step(pool, 64)
+            sampler.step_end(0, i)
+        return sampler.model()
+
+    rate = 0.75 * MiB                       # what gc.collect() freed at 64, over 64
+    without, with_it = models(0.0), models(rate)
+    assert len(with_it.models) == len(without.models) >= 2   # the template and the first step
+    for b in (16, 64, 128):
+        for a, w in zip(without.models, with_it.models):
+            if a is not None:
+                assert w.need(b)["peak_account"] == a.need(b)["peak_account"] + int(rate * b), b
+    budget = 400 * MiB
+    assert with_it.largest_fitting(budget) < without.largest_fitting(budget)
+    # Saved with the model (the report's what-if answers the same).
+    back = mm.StepModels.from_dict(json.loads(json.dumps(with_it.to_dict())))
+    assert back.need(100) == with_it.need(100)
+
+
+def test_the_builds_leftovers_per_sample_are_kept_for_the_models_next_fit():
+    # A fit() of a model already built builds nothing, so collects nothing: the rate its
+    # first fit() measured still holds for a fresh process's first fit().
+    from tf_memguard import _recording
+
+    class Model:   # any object a Keras model is: the rate is kept as an attribute of it
+        pass
+    m = Model()
+    assert _recording.build_garbage_rate(m, 0, 64) == 0.0
+    assert _recording.build_garbage_rate(m, 64 * MiB, 64) == MiB       # the first fit(), at 64
+    assert _recording.build_garbage_rate(m, 0, 128) == MiB             # built: nothing freed
+    assert _recording.build_garbage_rate(m, 256 * MiB, 128) == 2 * MiB  # more: the most measured
+    assert _recording.build_garbage_rate(None, 32 * MiB, 64) == 0.5 * MiB
+    assert _recording.garbage_at(0.0, 64) is None
+    assert _recording.garbage_at(MiB, 64) == ([64 * MiB], [_recording.SHORTFALL_FLAGS])
+    # On the TensorFlow backend nothing is collected at a fit()'s start.
+    pool = make_pool()
+    assert _recording.collect_build_garbage(pool) == 0
