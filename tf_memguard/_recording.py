@@ -414,7 +414,7 @@ def build_garbage_rate(model, freed, batch_size):
 
 
 def garbage_at(rate, batch_size):
-    """The build's leftovers at `batch_size` (build_garbage's `rate` bytes per sample) as one
+    """The build's leftovers at `batch_size` (build_garbage_rate's `rate` bytes per sample) as one
     more batch-tagged block at a step's start ((sizes, flags) for StepModel.build's
     extra_start), or None where there are none."""
     size = int(rate * batch_size)

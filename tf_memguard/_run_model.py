@@ -16,8 +16,9 @@ def models_of(sampler, observed_peak=0):
 
     def garbage(trace):
         # What a fresh fit()'s build leaves into its first steps on Keras' torch backend,
-        # at the trace's batch size (_recording.build_garbage): the run's own steps were
-        # without it, a fresh process's first fit() at the size asked about is not.
+        # at the trace's batch size (_recording.build_garbage_rate): the run's own steps ran
+        # without it (collected as the fit() began); a fresh process's first fit() at the
+        # size asked about meets it.
         return _recording.garbage_at(sampler.garbage_per_sample, trace.batch_size)
 
     def steady_of(trace, peak):

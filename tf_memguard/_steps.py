@@ -88,7 +88,7 @@ class StepSampler:
         self.steep_peak = 0
         self.first = None         # the run's first step (it traces the step's function)
         # Bytes per sample a fresh fit()'s build leaves into its first steps (Keras' torch
-        # backend: _recording.build_garbage), set by MemGuardCallback; in every model.
+        # backend: _recording.build_garbage_rate), set by MemGuardCallback; in every model.
         self.garbage_per_sample = 0.0
         self.other = None
         self.prefix = None        # the step refused partway, if one was
