@@ -87,13 +87,17 @@ def child(name, mode, size, budget, device):
     def fit(b, callbacks=()):
         model.fit(x, y, batch_size=b, epochs=EPOCHS, verbose=0, callbacks=list(callbacks))
 
-    if mode == "train":
+    def trains(b, key="trained", error="error"):
+        """Two epochs at b without the callback: whether they trained, into `out`."""
         try:
-            fit(size)
-            out["trained"] = True
+            fit(b)
+            out[key] = True
         except Exception as e:  # noqa: BLE001 - the run's answer is whether it trained
-            out["trained"] = False
-            out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            out[key] = False
+            out[error] = f"{type(e).__name__}: {str(e)[:300]}"
+
+    if mode == "train":
+        trains(size)
     elif mode == "advice":
         try:
             fit(size, [tf_memguard.MemGuardCallback(verbose=0)])
@@ -118,20 +122,10 @@ def child(name, mode, size, budget, device):
             out["suggested"] = s = r.suggested_batch_size
             out["method"] = r.suggestion_method[:400]
             if s:
-                try:
-                    fit(s)
-                    out["retry_trained"] = True
-                except Exception as e:  # noqa: BLE001
-                    out["retry_trained"] = False
-                    out["retry_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                trains(s, "retry_trained", "retry_error")
     elif mode == "find":
-        s = out["find"] = tf_memguard.find_batch_size(model, x, y)
-        try:
-            fit(s)
-            out["trained"] = True
-        except Exception as e:  # noqa: BLE001
-            out["trained"] = False
-            out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out["find"] = tf_memguard.find_batch_size(model, x, y)
+        trains(out["find"])
     st = tf_memguard.stats()
     out.update(s=round(time.time() - t0, 1), budget=budget, peak_reserved=st["peak_bytes_reserved"],
                peak_in_use=st["peak_bytes_in_use"], within_budget=st["peak_bytes_reserved"] <= budget)
