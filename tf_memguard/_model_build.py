@@ -23,7 +23,8 @@ from tf_memguard._step_trace import _BATCH, _FREE, _MUST, _OVERSHOOT, _REFUSE, _
 
 
 def build(template, other=None, start=None, observed_peak=None, first=False, extra_start=None,
-          epoch=None, order_bytes=0, fresh=None, layout_bytes=0, order_batch=0, unseen_share=RUN_SPREAD):
+          epoch=None, order_bytes=0, fresh=None, layout_bytes=0, order_batch=0, unseen_share=RUN_SPREAD,
+          steady=None):
     """The model of `template`'s step (complete), its untagged blocks' slopes from
     `other`, starting from `start`'s live blocks (default: template's own) and
     `extra_start` ((sizes, flags) of more blocks live then, recorded at start's batch
@@ -42,12 +43,18 @@ def build(template, other=None, start=None, observed_peak=None, first=False, ext
     backing granules than the run's template another of its steps touched
     (StepSampler.layout_bytes), kept free (as spread, where more). `unseen_share`:
     the share of the step's growth kept free for orders not met (unseen_order_bytes).
+    `steady`: with `first`, a steady step of the same run, whose start shows what the
+    first step made once and kept (kept_state).
     """
     start = start or template
     fixed_kinds = [KINDS.index(k) for k in ("constant", "copy", "tensor", "raw", "data", "input")] if first else ()
     weights = start.start_size[(start.start_flags & _BATCH) == 0]
     # Blocks of 64 KiB and more: small sizes recur everywhere (scalars, shapes).
     fixed_lo, lo, fixed_hi, hi, square = match(template, other, fixed_kinds, weights[weights >= 1 << 16])
+    if first and steady is not None:
+        for i in kept_state(template, steady, (fixed_lo != fixed_hi) | (lo != hi)):
+            fixed_lo[i] = fixed_hi[i] = fixed_lo[i] + lo[i] * template.batch_size
+            lo[i] = hi[i] = 0.0
     bs = float(start.batch_size)
     start_flags = start.start_flags
     s_size = start.start_size.astype(np.float64)
@@ -283,6 +290,36 @@ def match(template, other, fixed_kinds=(), fixed_sizes=()):
     for i in _weight_copies(size, rest[~done[rest]], fixed_sizes):
         line(i, size[i], 0.0)
     return fixed_lo, slope_lo, fixed_hi, slope_hi, square
+
+
+def kept_state(first, steady, bounded):
+    """Of `first`'s allocations (a run's first step) whose line is only bounded (`bounded`,
+    per allocation: untagged, no partner at the other size), the indices of those that are
+    state made once and kept: not freed by the step's end, and of the size of an untagged
+    block a steady step of the run (`steady`) begins with beyond the blocks the first step
+    began with. The steady steps' model holds such a start block fixed (untagged), and so
+    does the first step's, consistently. On Keras' torch backend cuBLAS makes a 32 MiB
+    workspace per thread that runs matmuls in a fit()'s first step and keeps it; bounded,
+    keras_hub's Swin Transformer's two (64 MiB at 64) counted 457 MiB at 457, and the first
+    step's model named 341 where 457 trains (its steady step's model named 428; the first
+    step's with them fixed, replayed from the saved report: 428)."""
+    idx = first.allocations()
+    kept = live_at_end(first) & bounded & (first.op[idx] != _REFUSE)
+    if not kept.any():
+        return []
+    extra = {}
+    for v in steady.start_size[(steady.start_flags & _BATCH) == 0].tolist():
+        extra[int(v)] = extra.get(int(v), 0) + 1
+    for v in first.start_size[(first.start_flags & _BATCH) == 0].tolist():
+        if extra.get(int(v), 0) > 0:
+            extra[int(v)] -= 1
+    out = []
+    for i in np.flatnonzero(kept).tolist():
+        v = int(first.size[idx[i]])
+        if extra.get(v, 0) > 0:
+            extra[v] -= 1
+            out.append(i)
+    return out
 
 
 def _in_square_ratio(a, b, ba, bb, align):

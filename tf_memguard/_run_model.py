@@ -47,7 +47,10 @@ def models_of(sampler, observed_peak=0):
     # MiB and peaked at 1,122; the steps after it began with 329 and peaked at 1,253
     # to 1,277, and the model of the first step alone named 200, then 149, which
     # XLA's buffers passed the budget at.
+    # (What the first step made once and kept, which the steady steps begin with: fixed in
+    # both models; _model_build.kept_state.)
     first = StepModel.build(sampler.first, sampler.other, first=True, epoch=sampler.data.epoch, order_bytes=order,
+                            steady=sampler.template or sampler.steep,
                             extra_start=_recording.joined(
                                 sampler.data.unmet_copies(sampler.first, validation=False),
                                 kept_blocks(sampler.first) if alone else None, garbage(sampler.first)),

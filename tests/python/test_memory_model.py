@@ -972,3 +972,33 @@ def test_the_builds_leftovers_per_sample_are_kept_for_the_models_next_fit():
     # On the TensorFlow backend nothing is collected at a fit()'s start.
     pool = make_pool()
     assert _recording.collect_build_garbage(pool) == 0
+
+
+def test_state_a_first_step_made_once_and_the_steady_steps_begin_with_is_fixed():
+    # Keras' torch backend: cuBLAS makes a 32 MiB workspace in a fit()'s first step and keeps
+    # it; no step at another size makes one, so alone it is bounded (proportional above the
+    # recorded size). The steady step at the same size begins with it: state, fixed there
+    # and so in the first step's model too.
+    pool = make_pool()
+
+    def rec(b, workspace=False):
+        live = pool.live_blocks()
+        pool.trace_start(1 << 16)
+        act = pool.allocate(b * MiB, kind="other")
+        ws = pool.allocate(32 * MiB, kind="other") if workspace else None
+        pool.free(act)
+        pool.trace_start(0)
+        return dataclasses.replace(_step_trace.StepTrace.from_pool(pool, live, b), ordered=True), ws
+
+    first, ws = rec(16, workspace=True)
+    steady, _ = rec(16)
+    other, _ = rec(8)
+    fresh = 4 + 32 + 128   # weights, the workspace, a step's activations at 128 (MiB)
+    assert mm.StepModel.build(first, other, first=True, steady=steady).need(128)["peak_account"] == fresh * MiB
+    assert mm.StepModel.build(first, other, first=True).need(128)["peak_account"] == (4 + 32 * 8 + 128) * MiB
+    # A block the first step kept and freed before the steady steps began is not state:
+    # still bounded.
+    pool.free(ws)
+    later, _ = rec(16)
+    assert mm.StepModel.build(first, other, first=True, steady=later).need(128)["peak_account"] \
+        == (4 + 32 * 8 + 128) * MiB
