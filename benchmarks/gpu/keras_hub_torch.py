@@ -11,6 +11,7 @@ For each model, every run its own process (PyTorch's allocator is chosen once pe
   verify   two epochs at the suggestion, in two fresh processes
   limit    the largest size that trains two epochs in 2 of 2 fresh processes (bisection
            from LO, which trains, to HI, which does not)
+  half     advice and verify again from half the limit (issue 14's reading)
   oom      two epochs at 1.6x the limit: the error, then in the same process after the
            except block a retry at report().suggested_batch_size
   find     find_batch_size(model, x, y) in a fresh process, and two epochs at its answer
@@ -183,6 +184,12 @@ def one_model(name, device):
         else:
             hi = mid
     limit = lo
+    # Issue 14's reading: the advice after two epochs at about half the limit, its answer
+    # trained in two fresh processes.
+    half = run(name, "advice", max(1, limit // 2), budget, device)
+    half_s = half.get("suggested") or 0
+    half_v = [run(name, "train", half_s, budget, device, seed) for seed in (0, 1)] if half_s else []
+    runs.extend([half] + half_v)
     oom = run(name, "oom", int(limit * 1.6), budget, device)
     find = run(name, "find", 0, budget, device)
     runs.extend([oom, find])
@@ -191,6 +198,9 @@ def one_model(name, device):
         "advice_from": cfg["start"], "advice": suggested,
         "advice_trained_2_of_2": bool(verified) and all(v.get("trained") for v in verified),
         "advice_share": round(suggested / limit, 3) if limit else None,
+        "half_from": max(1, limit // 2), "half_advice": half_s,
+        "half_trained_2_of_2": bool(half_v) and all(v.get("trained") for v in half_v),
+        "half_share": round(half_s / limit, 3) if limit else None,
         "oom_at": int(limit * 1.6), "after_oom": oom.get("suggested"), "retry_trained": oom.get("retry_trained"),
         "after_oom_share": round((oom.get("suggested") or 0) / limit, 3) if limit else None,
         "find": find.get("find"), "find_trained": find.get("trained"),
