@@ -93,6 +93,36 @@ NO_WAIT_CAVEAT = (" With install(wait=0) the size has no margin for orders of th
                   "show (the default wait gives it) and can run out; install() without wait= for advice to rely on.")
 
 
+def for_run(keras_model, sampler, monitor, budget, running, samples, model=None, below=None, at_least=0):
+    """The Suggestion for `budget` of a run's memory model (`model`, default: the one
+    `sampler`'s steps make, its spread from the highest peak `monitor` measured at
+    `running`), or None: `below`, a size known not to fit, bounds it; `at_least`, a size
+    that ran within the budget; `samples`, the epoch's."""
+    if not budget or not sampler:
+        return None
+    if model is None:
+        peaks = monitor.peaks_at(running)
+        model = sampler.model(observed_peak=max(peaks) if peaks else 0)
+    fixed = _fit_args.fixed_batch_size(keras_model)
+    if model is None:
+        if fixed and below is not None and below <= fixed:
+            # Refused at the only size the model runs, before any step completed.
+            return Suggestion(batch_size=0, budget_bytes=int(budget), predicted_peak_bytes=0,
+                              method=f"the model's inputs fix the batch size at {fixed}", fixed_batch=int(fixed))
+        return None
+    at_most = samples if below is None else min(samples or below - 1, below - 1)
+    return suggest(model, budget, running=running, at_most=at_most, method=sampler.method(), at_least=at_least,
+                   fixed=fixed, multiple=_fit_args.replicas(keras_model))
+
+
+def near_budget(epoch, peak, budget, device, suggestion, running):
+    """The warning of an epoch (0-based) that peaked at `peak` bytes near `budget`."""
+    advice = (" " + advice_sentence(suggestion, running)) if suggestion else \
+        " Pass batch_size= to MemGuardCallback for a suggestion."
+    return (f"tf_memguard: epoch {epoch + 1} peaked at {format_bytes(peak)}, {100 * peak / budget:.0f}% of the "
+            f"{format_bytes(budget)} budget on {device}." + advice)
+
+
 def advice_sentence(s, running):
     """What to do, in a sentence or two (the end of the OOM note and of the warning)."""
     text = _advice_sentence(s, running)

@@ -5,18 +5,15 @@ The callback orchestrates: _monitor measures, _steps records the steps the memor
 is made of, _advice asks the model, _failures handles a step that fails (_oom words it),
 _guard keeps fit()'s functions, _inference explains a validation, evaluate() or predict()
 step that fails, _report keeps the run."""
-import dataclasses
 import warnings
 
 import keras
 
-from tf_memguard import _advice, _backend, _confirm, _dead_models, _fit_args, _guard, _install, _monitor, _recording, _report, \
-    _workers
+from tf_memguard import _advice, _backend, _confirm, _dead_models, _fit_args, _fit_run, _guard, _install, _monitor, \
+    _recording, _report, _workers
 from tf_memguard._errors import budget_exceeded_error
 from tf_memguard._failures import FailureHandling, collect_after_failure
 from tf_memguard._inference import EvaluationGuard
-from tf_memguard._steps import StepSampler
-from tf_memguard._units import format_bytes
 from tf_memguard._xla_hooks import XlaHooks
 
 
@@ -26,7 +23,6 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_warned = set()  # reasons already said, once per process
 class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbacks.Callback):
     """Records the memory of every epoch, warns near the budget, and explains an OOM.
 
@@ -122,7 +118,7 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
         collect_after_failure()  # the data of a run that failed before this one, out of the pool
         cluster = _workers.cluster_of(self.model)
         self._cluster = _workers.ClusterRecord(cluster) if cluster is not None else None
-        self._active = self._check_serving()
+        self._active = _fit_run.serving(self._device)
         if not self._active:
             return
         self._oom_types = _backend.oom_errors()
@@ -135,28 +131,9 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
         self._start = self._pool.stats()
         self._budget = self._start["bytes_limit"]
         fit_args = _fit_args.fit_arguments()
-        x, y = fit_args.get("x"), fit_args.get("y")
-        # Arrays, or tensors (a tf.SparseTensor, strings): the short runs batch them as fit() does.
-        arrays = _fit_args.is_arrays(x) or _fit_args.is_sliceable(x)
-        self._n = _fit_args.training_samples(fit_args)
-        # A batch_size above the samples runs them all as one batch: that is the size run
-        # (at 4,096 on 300 images the report named nothing, and after an OOM quoted a budget for 4,096).
-        self._run_batch = _fit_args.run_batch_size(self.batch_size or _fit_args.batch_size(fit_args),
-                                                   self._n if arrays else None)
+        self._n, self._run_batch, self._sampler = _fit_run.run_of(
+            self.model, self._pool, self.params, self.batch_size, self.advice, self._cluster is not None, garbage)
         self._monitor = _monitor.Monitor(self._pool, self._budget)
-        self._sampler = None
-        if self.advice and self._run_batch:
-            self._sampler = StepSampler(self._pool, self._run_batch, n_samples=self._n,
-                                        steps_per_epoch=(self.params or {}).get("steps"),
-                                        x=x if arrays else None, y=y if arrays else None,
-                                        own_epochs=fit_args.get("steps_per_epoch") is None,
-                                        dataset=x if _fit_args.is_dataset(x) or _fit_args.is_py_dataset(x)
-                                        else None,
-                                        validation=_fit_args.validation_arrays(fit_args),
-                                        partial=_fit_args.dataset_partial_batch(x)
-                                        if _fit_args.is_dataset(x) and self.batch_size is None else None,
-                                        collective=self._cluster is not None)
-            self._sampler.garbage_per_sample = _recording.build_garbage_rate(self.model, garbage, self._run_batch)
         self._epoch = 0           # of this fit(): one resumed with initial_epoch=5 begins at Keras' 5
         self._first_epoch = None  # (whose first epochs the sampler would not have recorded)
         self._warned = False
@@ -169,16 +146,6 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
         self._nested_phase = None
         _guard.wrap_calls(self.model, self)
         _guard.guard_callbacks(fit_args.get("callbacks"), self)
-
-    def _check_serving(self):
-        """False, with one warning per reason, when the pool does not see the tensors."""
-        reason = _install.not_serving(self._device)
-        if reason is None:
-            return True
-        if reason not in _warned:
-            _warned.add(reason)
-            warnings.warn("tf_memguard: " + reason, stacklevel=3)
-        return False
 
     def _talks(self):
         if self.verbose == "auto":
@@ -212,16 +179,10 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
             return
         if self._sampler:
             self._sampler.step_end(self._epoch, batch)
-        s = self._monitor.step_end(self._step_batch(batch))
+        s = self._monitor.step_end(_fit_run.step_batch(self._sampler, self.params, batch, self._run_batch))
         for kind in ("xla", "kernel"):
             if s["overshoots_by_kind"][kind] > self._over_counts[kind]:
                 self._stop_for_overshoot(kind, s)
-
-    def _step_batch(self, batch):
-        sampler = self._sampler
-        if sampler and sampler.partial and self.params and batch == self.params.get("steps", 0) - 1:
-            return sampler.partial
-        return self._run_batch
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs if logs is not None else {}
@@ -230,30 +191,17 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
         record = self._monitor.epoch_end(epoch, logs, self._talks()) if self._active else None
         if self._active and self._sampler:
             self._sampler.epoch_end(self._epoch, self.model)
-            # A size that ran its epochs within the budget fits, whatever the margins say; but
-            # the first epoch's steps did not meet Keras' copy of the validation arrays, made
-            # at its evaluation and held through every later epoch: until a second epoch ran
-            # with it, the model (which adds it) decides. keras.io's timeseries autoencoder
-            # (Conv1D / Conv1DTranspose, validation_split=0.1) at 128 under 48 MiB: epoch 1
-            # peaked at 47.6 MiB, the warning said "A batch size of up to 128 (now 128)
-            # fits" where the model put 128 at 48.8, and epoch 2 ran out, 0.3 MiB short.
-            proven = self._epoch >= 1 or not self._sampler.data.validation_copies
-            ran = self._run_batch if self._monitor.peak() <= self._budget and proven else 0
+            ran = _fit_run.proven_size(self._sampler, self._monitor, self._budget, self._epoch, self._run_batch)
             self._suggestion = self._suggest(at_least=ran) or self._suggestion
         if self._cluster is not None:  # a collective: every worker takes part, active or not
             self._suggestion = self._cluster.epoch_end(epoch, record, self._budget if self._active else 0,
                                                        self._suggestion, logs)
         if not self._active:
             return
-        budget = self._budget
-        if budget and record.peak_bytes >= self.warn_at * budget and not self._warned:
+        if self._budget and record.peak_bytes >= self.warn_at * self._budget and not self._warned:
             self._warned = True
-            s = self._suggestion
-            advice = (" " + _advice.advice_sentence(s, self._run_batch)) if s else \
-                " Pass batch_size= to MemGuardCallback for a suggestion."
-            warnings.warn(f"tf_memguard: epoch {epoch + 1} peaked at {format_bytes(record.peak_bytes)}, "
-                          f"{100 * record.peak_bytes / budget:.0f}% of the {format_bytes(budget)} budget on "
-                          f"{self._device}." + advice, stacklevel=2)
+            warnings.warn(_advice.near_budget(epoch, record.peak_bytes, self._budget, self._device,
+                                              self._suggestion, self._run_batch), stacklevel=2)
 
     def on_train_end(self, logs=None):
         if self._xla is not None:
@@ -261,39 +209,14 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
         if not self._active:
             return
         self._unwrap_train_function()
-        # A size above the run's is named once a step at it completed, run when the
-        # suggestion is first read (_confirm: fit()'s copy of the data is in the pool now).
-        s = self._suggestion
-        confirm = bool(self._sampler and s and s.batch_size > self._run_batch and self._cluster is None)
-        if confirm and not self._sampler.data.usable:
-            # A generator or a PyDataset: no step at another size can be taken from its batches.
-            confirm = False
-            self._suggestion = dataclasses.replace(s, method=s.method + "; not confirmed by a step at it (a "
-                                                   "generator or PyDataset makes its own batches)")
-        self._finish(_confirm.resolver(self) if confirm else None)
+        self._finish(_confirm.pending(self))
 
     # -- advice --------------------------------------------------------------------------
 
     def _suggest(self, model=None, below=None, at_least=0):
-        """The Suggestion of the memory model for the budget (with `below`: smaller than
-        that, a size known not to fit), or None."""
-        if not self._budget or not self._sampler:
-            return None
-        if model is None:
-            peaks = self._monitor.peaks_at(self._run_batch)
-            model = self._sampler.model(observed_peak=max(peaks) if peaks else 0)
-        fixed = _fit_args.fixed_batch_size(self.model)
-        if model is None:
-            if fixed and below is not None and below <= fixed:
-                # Refused at the only size the model runs, before any step completed.
-                return _advice.Suggestion(batch_size=0, budget_bytes=int(self._budget), predicted_peak_bytes=0,
-                                          method=f"the model's inputs fix the batch size at {fixed}",
-                                          fixed_batch=int(fixed))
-            return None
-        at_most = self._n if below is None else min(self._n or below - 1, below - 1)
-        return _advice.suggest(model, self._budget, running=self._run_batch, at_most=at_most,
-                               method=self._sampler.method(), at_least=at_least, fixed=fixed,
-                               multiple=_fit_args.replicas(self.model))
+        """The memory model's Suggestion for the run's budget, or None (_advice.for_run)."""
+        return _advice.for_run(self.model, self._sampler, self._monitor, self._budget, self._run_batch, self._n,
+                               model=model, below=below, at_least=at_least)
 
     # -- the report ----------------------------------------------------------------------
 

@@ -97,6 +97,22 @@ def confirmed(sampler, keras_model, model, suggestion, budget):
                                predicted_peak_bytes=int(model.need(good)["peak_account"])), shown
 
 
+def pending(callback):
+    """At the end of `callback`'s run (MemGuardCallback): the resolver() of its suggestion
+    where it names a size above the run's (a size above it is named once a step at it
+    completed, run when the suggestion is first read: fit()'s copy of the data is in the
+    pool now), else None."""
+    s, sampler = callback._suggestion, callback._sampler
+    if not (sampler and s and s.batch_size > callback._run_batch and callback._cluster is None):
+        return None
+    if not sampler.data.usable:
+        # A generator or a PyDataset: no step at another size can be taken from its batches.
+        callback._suggestion = dataclasses.replace(s, method=s.method + "; not confirmed by a step at it (a "
+                                                   "generator or PyDataset makes its own batches)")
+        return None
+    return resolver(callback)
+
+
 def resolver(callback):
     """The report's pending suggestion of `callback`'s run (MemGuardCallback), confirmed
     when first read (confirmed()), if the Keras model still exists: the report holds it
