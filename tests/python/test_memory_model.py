@@ -1002,3 +1002,17 @@ def test_state_a_first_step_made_once_and_the_steady_steps_begin_with_is_fixed()
     later, _ = rec(16)
     assert mm.StepModel.build(first, other, first=True, steady=later).need(128)["peak_account"] \
         == (4 + 32 * 8 + 128) * MiB
+
+
+def test_of_an_order_gap_no_more_grows_with_the_batch_than_the_steps_proportional_bytes_live_at_once():
+    # The step at 8: 8 MiB of activations and 4 MiB untagged, both proportional, and a fixed
+    # 3 MiB workspace, all live at once: an order can move at most 12 MiB that grow with the
+    # batch. A 20 MiB gap (a CNN recorded at a batch of 1 met one step 12 MiB above the
+    # others, and scaled whole the gap named 4 where 121 trains) is 8 MiB of fixed blocks.
+    pool = make_pool()
+    m = mm.StepModel.build(record(pool, 8), record(pool, 4), order_bytes=20 * MiB)
+    assert m.moving_bytes(8) == 12 * MiB
+    assert m.spread(8) == 20 * MiB and m.spread(16) == (20 + 12) * MiB and m.spread(32) == (20 + 3 * 12) * MiB
+    # A gap under the proportional bytes scales whole, as before.
+    small = mm.StepModel.build(record(pool, 8), record(pool, 4), order_bytes=2 * MiB)
+    assert small.spread(16) == 4 * MiB
