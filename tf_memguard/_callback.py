@@ -132,7 +132,7 @@ class MemGuardCallback(XlaHooks, FailureHandling, EvaluationGuard, keras.callbac
         self._budget = self._start["bytes_limit"]
         fit_args = _fit_args.fit_arguments()
         self._n, self._run_batch, self._sampler = _fit_run.run_of(
-            self.model, self._pool, self.params, self.batch_size, self.advice, self._cluster is not None, garbage)
+            fit_args, self.model, self._pool, self.params, self.batch_size, self.advice, self._cluster is not None, garbage)
         self._monitor = _monitor.Monitor(self._pool, self._budget)
         self._epoch = 0           # of this fit(): one resumed with initial_epoch=5 begins at Keras' 5
         self._first_epoch = None  # (whose first epochs the sampler would not have recorded)

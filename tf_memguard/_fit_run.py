@@ -21,13 +21,12 @@ def serving(device):
     return False
 
 
-def run_of(model, pool, params, batch_size=None, advice=True, collective=False, garbage=0):
+def run_of(fit_args, model, pool, params, batch_size=None, advice=True, collective=False, garbage=0):
     """(samples, batch size run, StepSampler or None) of the running fit() of `model` on
-    `pool`. `params`: the callback's Keras params; `batch_size`: the callback's argument,
-    else the fit()'s; `advice`: False records no steps; `collective`: a worker of a
-    multi-worker run; `garbage`: the bytes the fit()'s build left and the callback
-    collected (_recording.collect_build_garbage)."""
-    fit_args = _fit_args.fit_arguments()
+    `pool`, called with `fit_args` (_fit_args.fit_arguments()). `params`: the callback's
+    Keras params; `batch_size`: the callback's argument, else the fit()'s; `advice`: False
+    records no steps; `collective`: a worker of a multi-worker run; `garbage`: the bytes the
+    fit()'s build left and the callback collected (_recording.collect_build_garbage)."""
     x, y = fit_args.get("x"), fit_args.get("y")
     # Arrays, or tensors (a tf.SparseTensor, strings): the short runs batch them as fit() does.
     arrays = _fit_args.is_arrays(x) or _fit_args.is_sliceable(x)
