@@ -15,10 +15,13 @@ For each model, every run its own process (PyTorch's allocator is chosen once pe
   oom      two epochs at 1.6x the limit: the error, then in the same process after the
            except block a retry at report().suggested_batch_size
   find     find_batch_size(model, x, y) in a fresh process, and two epochs at its answer
+(--diag MODEL SIZE: one process's pool state before fit(), after an OOM at SIZE and gc, and
+after the report's answer and each of DIAG_SIZES trained in that process)
 and each run's peak bytes reserved against the budget (the budget never passed).
 
 Usage on the lent GPU (keras, keras_hub and their pure-Python dependencies as wheels in .whl):
   KERAS_BACKEND=torch python3 benchmarks/gpu/keras_hub_torch.py --out DIR [--models qwen3,swin]
+      [--limits qwen3=111,swin=457]   (limits of an earlier bisection: no bisection)
 Here, to try the flow on the CPU with TensorFlow's allocator:
   python benchmarks/gpu/keras_hub_torch.py --device cpu --models qwen3 --out /tmp/x
 Writes DIR/gpu_keras_hub_torch.json (then benchmarks/results/gpu_keras_hub_torch.json).
@@ -124,6 +127,57 @@ def child(name, mode, size, budget, device):
             out["method"] = r.suggestion_method[:400]
             if s:
                 trains(s, "retry_trained", "retry_error")
+    elif mode == "oomdiag":
+        # Why an answer after an OOM lies below the fresh process's limit: the pool's
+        # state before fit(), after the failed fit() and gc, and sizes tried in this
+        # process (DIAG_SIZES) after the report's answer.
+        def snap():
+            st = tf_memguard.stats()
+            return {k: st[k] for k in ("bytes_in_use", "bytes_reserved", "largest_free_block_bytes",
+                                       "blocks_in_use", "num_regions")}
+        out["before_fit"] = snap()
+        # Each short fit() the advice runs: whether its step completed, its peaks, and
+        # what a model of it with room for the batches Keras' torch backend may hold
+        # (as _after_oom's ran() asks) says of its own size; the traces pickled.
+        import pickle
+        from tf_memguard import _recording, _steps
+        from tf_memguard._memory_model import StepModel
+        real_short_fit, fits_log = _steps.StepSampler.short_fit, out.setdefault("short_fits", [])
+
+        def logged(self, model_, b, *args, **kw):
+            t = real_short_fit(self, model_, b, *args, **kw)
+            row = {"size": b, "args": [str(v) for v in args], "kw": {k: str(v) for k, v in kw.items()},
+                   "complete": None if t is None else bool(t.complete)}
+            if t is not None:
+                row.update(observed_peak=int(t.observed_peak), step_peaks=[int(v) for v in t.step_peaks])
+                if t.complete:
+                    m = StepModel.build(t, None, extra_start=_recording.stale_batches(x, y, t.batch_size, model))
+                    rp = m.replay(t.batch_size, budget)
+                    row["stale_model"] = {k: (int(v) if not isinstance(v, bool) else v) for k, v in rp.items()
+                                          if isinstance(v, (int, bool, float))}
+                    row["spread"] = int(m.spread(t.batch_size))
+                if os.environ.get("REPORT_DIR"):
+                    with open(os.path.join(os.environ["REPORT_DIR"], f"trace_{len(fits_log)}_{b}.pkl"), "wb") as f:
+                        pickle.dump(t, f)
+            fits_log.append(row)
+            return t
+        _steps.StepSampler.short_fit = logged
+        try:
+            fit(size, [tf_memguard.MemGuardCallback(verbose=0)])
+        except Exception as e:  # noqa: BLE001 - the run records which error came
+            out["raised"] = f"{type(e).__name__}: {str(e)[:300]}"
+        gc.collect()
+        out["after_oom_gc"] = snap()
+        r = tf_memguard.report()
+        out["suggested"] = s = r.suggested_batch_size
+        out["method"] = r.suggestion_method[:400]
+        out["after_report"] = snap()
+        if os.environ.get("REPORT_DIR"):
+            r.to_json(os.path.join(os.environ["REPORT_DIR"], f"{name}_after_oom_at_{size}.json"))
+        for b in [s] + [int(v) for v in os.environ.get("DIAG_SIZES", "").split(",") if v]:
+            trains(b, f"trained_{b}", f"error_{b}")
+            gc.collect()
+            out[f"after_{b}"] = snap()
     elif mode == "find":
         out["find"] = tf_memguard.find_batch_size(model, x, y)
         trains(out["find"])
@@ -158,7 +212,7 @@ def trains_twice(name, size, budget, device, runs):
     return True
 
 
-def one_model(name, device):
+def one_model(name, device, known=None):
     cfg = MODELS[name][device]
     budget, runs = cfg["budget"], []
     adv = run(name, "advice", cfg["start"], budget, device)
@@ -166,6 +220,13 @@ def one_model(name, device):
     suggested = adv.get("suggested") or 0
     verified = [run(name, "train", suggested, budget, device, seed) for seed in (0, 1)] if suggested else []
     runs.extend(verified)
+    if known:
+        # The limit of an earlier bisection (--limits), checked on this card: it trains and
+        # one more does not, each in one fresh process.
+        at, above = run(name, "train", known, budget, device), run(name, "train", known + 1, budget, device)
+        runs.extend([at, above])
+        limit_check = {"limit_trained": at.get("trained"), "above_trained": above.get("trained")}
+        return finish(name, device, cfg, budget, runs, known, suggested, verified, limit_check)
     # The limit: bisection, its first probe at the suggestion (which both verify runs trained).
     lo, hi = cfg["lo"], cfg["hi"]
     if verified and all(v.get("trained") for v in verified):
@@ -183,7 +244,10 @@ def one_model(name, device):
             lo = mid
         else:
             hi = mid
-    limit = lo
+    return finish(name, device, cfg, budget, runs, lo, suggested, verified, None)
+
+
+def finish(name, device, cfg, budget, runs, limit, suggested, verified, limit_check):
     # Issue 14's reading: the advice after two epochs at about half the limit, its answer
     # trained in two fresh processes.
     half = run(name, "advice", max(1, limit // 2), budget, device)
@@ -208,6 +272,9 @@ def one_model(name, device):
         "budget_passed_in_runs": sum(1 for r in runs if r.get("within_budget") is False),
         "runs_without_result": sum(1 for r in runs if "no_result" in r),
     }
+    if limit_check is not None:
+        summary["limit_from"] = "--limits (an earlier bisection)"
+        summary.update(limit_check)
     print(name, json.dumps(summary), flush=True)
     return {"summary": summary, "runs": runs}
 
@@ -218,7 +285,16 @@ def main():
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--models", default="qwen3,swin")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results"))
+    ap.add_argument("--limits", default="",
+                    help="MODEL=LIMIT,...: limits of an earlier bisection, each checked by one run at it and one "
+                         "above it instead of bisecting again")
+    ap.add_argument("--diag", nargs=2, metavar=("MODEL", "SIZE"),
+                    help="one oomdiag run (the pool's state around an OOM at SIZE, then DIAG_SIZES tried)")
     a = ap.parse_args()
+    if a.diag:
+        name, size = a.diag
+        print(json.dumps(run(name, "oomdiag", int(size), MODELS[name][a.device]["budget"], a.device)))
+        return
     if a.child:
         name, mode, size, budget = a.child
         child(name, mode, int(size), int(budget), a.device)
@@ -235,7 +311,8 @@ def main():
         result["gpu"] = torch.cuda.get_device_name(0)
     path = os.path.join(a.out, "gpu_keras_hub_torch.json")
     for name in a.models.split(","):
-        result["models"][name] = one_model(name, a.device)
+        known = dict(kv.split("=") for kv in a.limits.split(",") if kv)
+        result["models"][name] = one_model(name, a.device, int(known[name]) if name in known else None)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
     print("wrote", path)

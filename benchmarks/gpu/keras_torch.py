@@ -36,6 +36,9 @@ call of this script:
              suggestion must train two epochs, and is compared with the largest size that
              trains two epochs, by bisection (each fit its own process). Writes
              gpu_keras_torch_advice.json.
+  --advice-check  the advice at 128 under ADVICE_BUDGET and its suggestion trained in two
+             fresh processes, then the oom scenario; no bisection (the limit of an earlier
+             one). Writes gpu_keras_torch_advice_check.json.
   --oom-only the oom scenario alone under ADVICE_BUDGET bytes, find_batch_size's steps
              (after the OOM, and in a fresh process: find) kept to replay offline, each
              short run it made with the pool's state before it. Writes
@@ -611,6 +614,10 @@ def main():
     ap.add_argument("--advice-only", action="store_true",
                     help="only the advice check (one memguard run for the budget, then fits at batch sizes "
                          "around the suggestion); writes gpu_keras_torch_advice.json")
+    ap.add_argument("--advice-check", action="store_true",
+                    help="the advice at 128 under ADVICE_BUDGET bytes, its suggestion trained two epochs in 2 fresh "
+                         "processes, and the oom scenario: no bisection (the limit of an earlier one); writes "
+                         "gpu_keras_torch_advice_check.json")
     ap.add_argument("--find-only", type=int, default=0, metavar="N",
                     help="find_batch_size in 2 N fresh processes under ADVICE_BUDGET, alternately with one step and "
                          "two at its first size (_find.FIRST_STEPS), each answer trained one epoch; writes "
@@ -649,6 +656,25 @@ def main():
             p = r.get("step_peaks_mib") or [0]
             print(r.get("batch_size"), "trained", r.get("trained"), "steps", r.get("steps_run"), "first 3", p[:3],
                   "max", max(p), "at step", p.index(max(p)), "begin MiB", r.get("begin_in_use_mib"), r.get("error", ""))
+        return
+
+    if args.advice_check:
+        budget = int(os.environ["ADVICE_BUDGET"])
+        first = run_child("advice", budget, ADVICE_BATCH="128", ADVICE_EPOCHS="2")
+        size = first.get("suggested")
+        trained = [run_child("advice", budget, ADVICE_BATCH=str(size), ADVICE_EPOCHS="2").get("fits")
+                   for _ in range(2)] if size else []
+        result = {"budget_bytes": budget, "advised_run": first, "suggested": size, "suggested_trained": trained,
+                  "oom": run_child("oom", budget),
+                  "command": "ADVICE_BUDGET=%d bash benchmarks/gpu/run_keras_torch.sh --advice-check" % budget}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_keras_torch_advice_check.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        o = result["oom"]
+        print(json.dumps({"suggested": size, "trained": trained, "method": first.get("method"),
+                          "after_oom": o.get("suggested"), "retry_ok": o.get("retry_ok"),
+                          "after_oom_method": o.get("suggestion_method"), "find": o.get("find_batch_size"),
+                          "find_ok": o.get("find_batch_size_fit_ok")}))
         return
 
     if args.find_only:
