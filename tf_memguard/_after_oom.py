@@ -139,7 +139,9 @@ def model_after_oom(sampler, model):
             without[0] = True
         elif unmet(trace) is None and not stale and not sampler.data.from_dataset:
             return True
-        return build(trace).fits(trace.batch_size, limit())
+        # (The step that ran, at its own size: its layout as the run laid it out, where
+        # its order is the only one: StepModel.layout_margin.)
+        return build(trace).fits(trace.batch_size, limit(), as_run=True)
 
     def run_at(size, waits):
         sampler.data.waits = waits

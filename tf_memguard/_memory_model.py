@@ -252,24 +252,40 @@ class StepModel:
         return dataclasses.replace(self, ev_fixed_lo=self.ev_fixed_hi, ev_lo=self.ev_hi,
                                    ev_fixed_hi=self.ev_fixed_lo, ev_hi=self.ev_lo)
 
-    def layout_margin(self, batch_size, budget):
+    def layout_margin(self, batch_size, budget, as_run=False):
         """Bytes kept free at `batch_size` for the layout another order and a long run's
         history leave: a granule for each large block live at the step's peak, and at
         least LAYOUT_SLACK of the budget (see the module's docstring), except in a run's
         first step, which no long run precedes. The zoo's embedding model under 76 MiB:
         the first step, building Adam's slots of its 12 MiB table, peaks at 74.5-74.8
-        MiB whatever the batch size (823 trains); with 2% kept free, no size fitted."""
+        MiB whatever the batch size (823 trains); with 2% kept free, no size fitted.
+
+        `as_run`: the question is whether the recorded step itself fits, at its own size
+        (the short runs after an OOM, whose steps completed: does the retry fit with what
+        they did not show?). A step that allocates in one order every time (`ordered`:
+        PyTorch's eager steps) then ran the only order there is, its large blocks laid out
+        as the pool lays them: LAYOUT_SLACK is kept for a long run's history, and no
+        granule per large block. (At other sizes the granules stay: they also cover what
+        a line through one or two sizes gets wrong. A model of one step at 32 of a CNN on
+        an H200 names 202 with LAYOUT_SLACK alone, and 198 with the granules, where 197
+        trains: test_memory_model.py.) keras_hub's Swin Transformer under 1.5 GiB on an
+        H100 has 58 large blocks live at its peak: 116 MiB (7.5% of the budget) kept free.
+        After an OOM at 731 its short run at 411 completed and was not taken; the answer
+        was 383, and 411 and 440 then trained in that process (457 is the most that trains
+        in a fresh one; benchmarks/NOTES.md, "A short run's own step on a GPU")."""
         slack = 0.0 if self.fresh else LAYOUT_SLACK
-        if not self.layout.get("backs_on_demand", True):
+        if not self.layout.get("backs_on_demand", True) or as_run and self.ordered \
+                and batch_size == self.base_batch:
             return int(slack * budget)
         return max(int(self.need(batch_size)["large_blocks_at_peak"]) * _granule(self.layout), int(slack * budget))
 
-    def replay(self, batch_size, budget):
+    def replay(self, batch_size, budget, as_run=False):
         """The step at `batch_size` under `budget` bytes (spread and layout margin kept
-        free): a dict with fits, failed_at, peak_bytes_reserved, peak_account,
-        peak_overshoot, blocks_at_peak, large_blocks_at_peak, slack_at_peak."""
+        free; `as_run`: see layout_margin): a dict with fits, failed_at,
+        peak_bytes_reserved, peak_account, peak_overshoot, blocks_at_peak,
+        large_blocks_at_peak, slack_at_peak."""
         sizes, slots, flags, nslots = self._ops(batch_size)
-        room = int(budget) - self.spread(batch_size) - self.layout_margin(batch_size, budget)
+        room = int(budget) - self.spread(batch_size) - self.layout_margin(batch_size, budget, as_run)
         if room <= 0:
             return {"fits": False, "failed_at": 0, "peak_bytes_reserved": 0, "peak_account": 0, "peak_overshoot": 0,
                     "blocks_at_peak": 0, "large_blocks_at_peak": 0, "slack_at_peak": 0}
@@ -303,8 +319,8 @@ class StepModel:
         sizes, slots, flags, nslots = self._ops(batch_size)
         return _replay(self.layout, sizes, slots, flags, nslots, int(sizes.sum()) * 2 + (1 << 30))
 
-    def fits(self, batch_size, budget):
-        return self.replay(batch_size, budget)["fits"]
+    def fits(self, batch_size, budget, as_run=False):
+        return self.replay(batch_size, budget, as_run)["fits"]
 
     def largest_fitting(self, budget, at_most=None):
         """The largest batch size whose step fits `budget`, or 0 when not even 1 does.

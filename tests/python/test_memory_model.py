@@ -114,6 +114,43 @@ def test_steps_in_one_order_keep_nothing_for_orders_not_met():
     assert mm.StepModel.from_dict(ordered.to_dict()).largest_fitting(200 * MiB) == 126
 
 
+def test_a_step_that_ran_in_its_only_order_keeps_no_granule_per_large_block_at_its_size(monkeypatch):
+    # Where the pool backs memory in 2 MiB granules (a GPU's), a model keeps a granule free
+    # per large block live at the peak: another order, or a line through one or two sizes,
+    # can lay them out worse. Asked whether the step that ran fits at its own size
+    # (as_run, the short runs after an OOM), a step of PyTorch's (StepTrace.ordered: one
+    # order every time) keeps LAYOUT_SLACK of the budget only; TensorFlow's steps, and
+    # every other size, keep the granules.
+    import dataclasses
+    monkeypatch.setenv("TF_MEMGUARD_HOST_GRANULE", str(2 * MiB))   # read when the upstream is made
+    pool = tf_memguard.Pool(max_bytes=1 << 30, upstream="host_lazy")
+    pool.allocate(4 * MiB, kind="kernel")
+    assert pool.layout()["page_bytes"] == 2 * MiB
+
+    def rec(b):
+        live = pool.live_blocks()
+        pool.trace_start(1 << 16)
+        # Twelve large blocks (each at least small_threshold) live together at the peak.
+        blocks = [pool.allocate(b * MiB // 4 + 12345, batch=True, kind="kernel") for _ in range(12)]
+        for a in blocks[::-1]:
+            pool.free(a)
+        pool.trace_start(0)
+        return _step_trace.StepTrace.from_pool(pool, live, b)
+    at64 = rec(64)
+    drawn = mm.StepModel.build(at64, None)
+    ordered = mm.StepModel.build(dataclasses.replace(at64, ordered=True), None)
+    budget = int(ordered.need(64)["peak_bytes_reserved"] / (1 - mm.LAYOUT_SLACK)) + (1 << 16)
+    assert ordered.need(64)["large_blocks_at_peak"] == 12
+    granules = 12 * 2 * MiB
+    assert granules > mm.LAYOUT_SLACK * budget
+    assert ordered.layout_margin(64, budget, as_run=True) == int(mm.LAYOUT_SLACK * budget)
+    assert ordered.layout_margin(64, budget) == granules
+    assert ordered.layout_margin(63, budget, as_run=True) == granules   # not the size that ran
+    assert drawn.layout_margin(64, budget, as_run=True) == granules     # other orders can come
+    assert ordered.fits(64, budget, as_run=True) and not ordered.fits(64, budget)
+    assert not drawn.fits(64, budget, as_run=True)
+
+
 def flattened_step(pool, b):
     """A step with two batch-shaped tensors flattened to (b x steps, features), of b / 8
     and b / 16 MiB (a Dense layer's output and input on 3-D data): the larger at 16 has
