@@ -29,8 +29,8 @@ retry must fit too), and, once the failed fit()'s data is out of the pool, short
 runs of its own on all the samples at smaller sizes (down to one that completes, then
 up: _after_oom).
 """
-from tf_memguard import _after_oom, _backend, _core, _fit_args, _recording, _run_model
-from tf_memguard._memory_model import alike_groups, order_gap
+from tf_memguard import _after_oom, _backend, _core, _fit_args, _recording, _run_model, _units
+from tf_memguard._memory_model import StepModels, alike_groups, order_gap
 from tf_memguard._step_data import StepData
 
 # The smallest partial last batch used as the second size, as a share of b0: below that,
@@ -335,7 +335,13 @@ class StepSampler:
             what += "; the largest that completed"
             if self.confirmed:
                 what += f" (and {self.confirmed[1]} at {self.confirmed[0]})"
-            return what + (f", {self.too_large} having been refused" if self.too_large < self.b0 else "")
+            what += f", {self.too_large} having been refused" if self.too_large < self.b0 else ""
+            fresh = self.fresh_process_size()
+            if fresh is not None:
+                what += (f"; for this process (a fresh process's first fit() also holds what Keras' build of the "
+                         f"model leaves, {_units.format_bytes(int(self.garbage_per_sample))} a sample: {fresh} "
+                         f"there)")
+            return what
         sizes = [t.batch_size for t in (self.template or self.first, self.other) if t is not None]
         if self.prefix is not None and (not sizes or self.too_large <= 1):
             # No step completed, before the failure or in the short runs after it (every
@@ -346,6 +352,23 @@ class StepSampler:
         kept = self._model.spread(self.b0) if self._model is not None else 0
         return what + (f" (kept free at {self.b0} for the peaks and layouts of other steps and orders of the "
                        f"kernels not met: {kept >> 20} MiB)" if kept >= 1 << 20 else "")
+
+    def fresh_process_size(self):
+        """After an OOM on Keras' torch backend: the largest size whose steps fit with what
+        Keras' build of the model leaves beside them (garbage_per_sample, which a fresh
+        process's first fit() meets in its first steps, and the retry in this process,
+        the model built, does not), at most the answer; None where there is nothing of
+        the kind or it names no less. keras_hub's Qwen3 under 4 GiB on an H100 after an OOM
+        at 177: the answer 121 trained in that process, where 111 is the most that trains
+        in a fresh one (at 121 the build leaves 473 MiB)."""
+        if not self.after_oom or self.garbage_per_sample <= 0 or self._model is None or self.cap < 1:
+            return None
+        m = self._model
+        models = m.models if isinstance(m, StepModels) else [m]
+        with_build = StepModels([x.with_shortfall(self.garbage_per_sample, _recording.SHORTFALL_FLAGS)
+                                 for x in models], getattr(m, "domains", None), getattr(m, "samples", None))
+        size = with_build.largest_fitting(self.pool.stats()["bytes_limit"], at_most=self.cap)
+        return size if size < self.cap else None
 
     def use_model(self, model):
         """Makes `model` (StepModels) the one model() returns from now on; returns it."""

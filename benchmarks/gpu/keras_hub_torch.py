@@ -170,7 +170,7 @@ def child(name, mode, size, budget, device):
         out["after_oom_gc"] = snap()
         r = tf_memguard.report()
         out["suggested"] = s = r.suggested_batch_size
-        out["method"] = r.suggestion_method[:400]
+        out["method"] = r.suggestion_method[:1000]
         out["after_report"] = snap()
         if os.environ.get("REPORT_DIR"):
             r.to_json(os.path.join(os.environ["REPORT_DIR"], f"{name}_after_oom_at_{size}.json"))

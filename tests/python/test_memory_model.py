@@ -991,6 +991,40 @@ def test_a_fit_builds_leftovers_are_kept_in_every_model_in_proportion_to_the_bat
     assert back.need(100) == with_it.need(100)
 
 
+def test_after_an_oom_the_report_names_the_size_for_a_fresh_process_apart():
+    # The answer after an OOM is for the retry in this process, whose model is built: a
+    # fresh process's first fit() also holds what Keras' build left (keras_hub's Qwen3:
+    # 121 trained after the OOM, 111 is the most that trains in a fresh process). The
+    # method says the size for a fresh process where that is less.
+    from tf_memguard._steps import StepSampler
+
+    def sampler_after_oom(rate, answer):
+        pool = make_pool()
+        sampler = StepSampler(pool, 64)
+        sampler.garbage_per_sample = rate
+        sampler.epoch_begin(0)
+        for i in range(3):
+            sampler.step_begin(0, i)
+            step(pool, 64)
+            sampler.step_end(0, i)
+        # As model_after_oom leaves it: the model the short runs made, the sizes that
+        # completed, the answer as the cap.
+        sampler.use_model(mm.StepModels([mm.StepModel.build(sampler.template, None)]))
+        sampler.b0, sampler.after_oom, sampler.too_large, sampler.cap = 900, [450, answer], 900, answer
+        return sampler
+    without = sampler_after_oom(0.0, 600)
+    assert without.fresh_process_size() is None and "fresh process" not in without.method()
+    rate = 0.75 * MiB
+    s = sampler_after_oom(rate, 600)
+    fresh = s.fresh_process_size()
+    plain = s.model().largest_fitting(1 << 30)
+    assert plain >= 600 > fresh > 0
+    with_build = mm.StepModels([m.with_shortfall(rate, 0) for m in s.model().models])
+    assert with_build.fits(fresh, 1 << 30) and not with_build.fits(fresh + 1, 1 << 30)
+    assert f"{fresh} there" in s.method() and "768 KiB a sample" in s.method(), s.method()
+    assert sampler_after_oom(rate, 100).fresh_process_size() is None   # fits there too: nothing to add
+
+
 def test_the_builds_leftovers_per_sample_are_kept_for_the_models_next_fit():
     # A fit() of a model already built builds nothing, so collects nothing: the rate its
     # first fit() measured still holds for a fresh process's first fit().
