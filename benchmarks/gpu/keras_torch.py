@@ -593,6 +593,13 @@ def run_child(mode, budget=0, timeout=900, **extra_env):
     return result
 
 
+def write_result(out, name, result):
+    """`result` as JSON to out/name (the folder made if needed)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--child")
@@ -636,9 +643,7 @@ def main():
         result = {"with_advice": run_child("leak", budget, LEAK_ADVICE="1"),
                   "without_advice": run_child("leak", budget, LEAK_ADVICE="0"),
                   "command": "ADVICE_BUDGET=%d bash benchmarks/gpu/run_keras_torch.sh --leak" % budget}
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_keras_torch_leak.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.out, "gpu_keras_torch_leak.json", result)
         for k in ("with_advice", "without_advice"):
             r = result[k]
             print(k, {n: v for n, v in r.items() if n.startswith(("in_use", "blocks", "suggested", "retry"))}, json.dumps(r.get("cuda_tensors_held"))[:1500],
@@ -649,9 +654,7 @@ def main():
         budget = int(os.environ["ADVICE_BUDGET"])
         result = {"runs": [run_child("peaks", budget, PEAK_BATCH=v) for v in args.peaks.split(",")],
                   "command": "ADVICE_BUDGET=%d bash benchmarks/gpu/run_keras_torch.sh --peaks %s" % (budget, args.peaks)}
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_keras_torch_peaks.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.out, "gpu_keras_torch_peaks.json", result)
         for r in result["runs"]:
             p = r.get("step_peaks_mib") or [0]
             print(r.get("batch_size"), "trained", r.get("trained"), "steps", r.get("steps_run"), "first 3", p[:3],
@@ -667,9 +670,7 @@ def main():
         result = {"budget_bytes": budget, "advised_run": first, "suggested": size, "suggested_trained": trained,
                   "oom": run_child("oom", budget),
                   "command": "ADVICE_BUDGET=%d bash benchmarks/gpu/run_keras_torch.sh --advice-check" % budget}
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_keras_torch_advice_check.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.out, "gpu_keras_torch_advice_check.json", result)
         o = result["oom"]
         print(json.dumps({"suggested": size, "trained": trained, "method": first.get("method"),
                           "after_oom": o.get("suggested"), "retry_ok": o.get("retry_ok"),
@@ -688,9 +689,7 @@ def main():
                   "budget_bytes": budget,
                   "command": "ADVICE_BUDGET=%d bash benchmarks/gpu/run_keras_torch.sh --find-only %d"
                              % (budget, args.find_only)}
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_keras_torch_find.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.out, "gpu_keras_torch_find.json", result)
         for r in result["runs"]:
             print(r["first_steps"], r["find_batch_size"], r["find_steps"], r["find_batch_size_fit_ok"],
                   (r.get("stderr_tail") or "")[-400:])
@@ -704,9 +703,7 @@ def main():
                   "traces": run_child("traces", budget, TRACES_OUT=os.path.join(args.out, "find_traces.json")),
                   "find_fresh": run_child("find", budget),
                   "command": "ADVICE_BUDGET=%d bash benchmarks/gpu/run_keras_torch.sh --oom-only" % budget}
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_keras_torch_oom.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.out, "gpu_keras_torch_oom.json", result)
         o = result["oom"]
         print(json.dumps({k: o.get(k) for k in ("suggested", "suggestion_method", "retry_ok", "find_batch_size",
                                                 "find_batch_size_fit_ok")}), json.dumps(result["traces"]),
@@ -720,9 +717,7 @@ def main():
         # its suggestion in the same process, find_batch_size.
         result["oom"] = run_child("oom", int(0.8 * live)) if live else None
         result["command"] = "bash benchmarks/gpu/run_keras_torch.sh --advice-only"
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_keras_torch_advice.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.out, "gpu_keras_torch_advice.json", result)
         print(json.dumps({k: result.get(k) for k in ("budget_bytes", "suggested", "suggested_trains",
                                                      "largest_that_trains", "ratio", "fits_by_size")}))
         return
